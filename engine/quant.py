@@ -1,0 +1,80 @@
+"""INT4 symmetric group-wise quantization: the reference for the kernels' weight layout.
+
+A linear weight W [N out, K in] (fp16/fp32) becomes
+  qweight  int32 [N, K // 8]     eight 4-bit codes per 32-bit word, rows contiguous
+  scales   fp16  [N, K // 128]   one scale per group of 128 consecutive inputs
+
+Quantization (per row n, group g):  s = max|W[n, g*128:(g+1)*128]| / 7 (rounded to fp16),
+q = clamp(round(W / s), -7, 7), stored code u = q + 8 in 1..15 (code 0 is never written).
+Dequantization: W' = (u - 8) * s.  Round-to-nearest bounds the error by s / 2 per element.
+
+Nibble order inside a word (the "interleaved" order the GEMV kernels want): word j of row n
+holds inputs k = 8j .. 8j+7, and nibble position p (bits 4p .. 4p+3) holds k = 8j + ORDER[p]
+with ORDER = [0, 2, 4, 6, 1, 3, 5, 7].  A kernel that does
+    lo = (w >> 4i) & 0x000F000F | 0x64006400        (i = 0..3)
+gets a half2 (1024 + u[2i], 1024 + u[2i+1]) -- two *consecutive* inputs -- so it can multiply
+by a plain half2 load of the activations with no permutation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROUP_SIZE = 128
+# nibble position p holds in-word element ORDER[p]
+NIBBLE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+QMAX = 7
+CODE_OFFSET = 8
+
+
+def quantize(w: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (qweight int32 [N, K//8], scales fp16 [N, K//group_size])."""
+    if w.dim() != 2:
+        raise ValueError(f"quantize expects a 2-D weight, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"k={k} is not a multiple of group {group_size}")
+    wf = w.detach().to(torch.float32).reshape(n, k // group_size, group_size)
+    amax = wf.abs().amax(dim=-1)
+    scales = (amax / QMAX).to(torch.float16)
+    s = scales.to(torch.float32).unsqueeze(-1)
+    q = torch.where(s > 0, torch.round(wf / torch.where(s > 0, s, torch.ones_like(s))),
+                    torch.zeros_like(wf))
+    codes = (q.clamp(-QMAX, QMAX) + CODE_OFFSET).to(torch.int64).reshape(n, k)
+    return pack_codes(codes), scales
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """codes int [N, K] in 0..15 (natural k order) -> int32 [N, K//8] in the interleaved order."""
+    n, k = codes.shape
+    c = codes.to(torch.int64).reshape(n, k // 8, 8)
+    word = torch.zeros(n, k // 8, dtype=torch.int64)
+    for p, elem in enumerate(NIBBLE_ORDER):
+        word |= (c[:, :, elem] & 0xF) << (4 * p)
+    # reinterpret the low 32 bits as signed int32 (torch has no uint32 arithmetic on CPU)
+    word = torch.where(word >= 2**31, word - 2**32, word)
+    return word.to(torch.int32)
+
+
+def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """int32 [N, K//8] -> codes int64 [N, K] in natural k order (0..15)."""
+    n, kw = qweight.shape
+    w = qweight.to(torch.int64) & 0xFFFFFFFF
+    out = torch.empty(n, kw, 8, dtype=torch.int64)
+    for p, elem in enumerate(NIBBLE_ORDER):
+        out[:, :, elem] = (w >> (4 * p)) & 0xF
+    return out.reshape(n, kw * 8)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(qweight int32 [N, K//8], scales fp16 [N, K//G]) -> W' [N, K] in `dtype`."""
+    n, kw = qweight.shape
+    k = kw * 8
+    if scales.shape[0] != n or k % scales.shape[1]:
+        raise ValueError(f"scales shape {tuple(scales.shape)} does not fit qweight {tuple(qweight.shape)}")
+    group = k // scales.shape[1]
+    codes = unpack_codes(qweight.cpu() if qweight.device.type != "cpu" else qweight)
+    q = (codes - CODE_OFFSET).to(torch.float32).reshape(n, k // group, group)
+    w = q * scales.detach().cpu().to(torch.float32).unsqueeze(-1)
+    return w.reshape(n, k).to(dtype).to(qweight.device)
