@@ -1,0 +1,161 @@
+"""What a backend is: a model with a single-sequence KV cache that appends tokens and
+returns logits, plus a sampling loop on top.
+
+The one invariant every caller relies on: `kv_tokens` is exactly the list of token ids whose
+K/V are in the cache, in order, after every call returns or raises and whenever a
+`generate()` iterator is suspended, exhausted, closed or abandoned. A token that was sampled
+but never forwarded is not in it. Sessions use it to reuse the longest common prefix.
+
+Subclasses implement two primitives and the base class keeps the bookkeeping:
+    _forward(tokens, pos) -> fp32 logits [V] of the last token   (K/V written at pos..)
+    _truncate(n)          -> free the storage of positions n..
+`forward()` checks the tokens, calls `_forward`, and on success appends them to
+`kv_tokens`; on an exception it calls `_truncate(len(kv_tokens))` so half-written K/V and
+their pages are released. A backend with its own decode loop (CUDA graphs, GPU sampling)
+may override `generate()`, keeping the contract written in docs/INTERFACES.md.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ContextFullError
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One sampled token. `step_ms`: for the first event the time to first token (prefill of
+    the new tokens + sampling), for later ones the decode step (forward + sample)."""
+    token_id: int
+    step_ms: float
+    first: bool
+
+
+class Backend:
+    name: str = "base"
+    device_name: str = "cpu"
+    modes: tuple[str, ...] = ("eager",)
+
+    def __init__(self, config: ModelConfig, max_context: int) -> None:
+        if max_context <= 0:
+            raise ValueError(f"max_context={max_context} must be positive")
+        self.config = config
+        self.max_context = max_context
+        self.kv_tokens: list[int] = []
+        self._mode = self.modes[0]
+
+    # --- mode -------------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        # Read once per token by generate(), so a change takes effect at the next token.
+        if value not in self.modes:
+            raise ValueError(f"mode {value!r} is not supported by the {self.name} backend "
+                             f"(supported: {', '.join(self.modes)})")
+        self._mode = value
+
+    # --- primitives for subclasses ------------------------------------------------------
+    def _forward(self, tokens: list[int], pos: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _truncate(self, n: int) -> None:
+        raise NotImplementedError
+
+    # --- cache ----------------------------------------------------------------------------
+    def truncate(self, n: int) -> None:
+        """Keep the first n cached tokens (0 <= n <= len(kv_tokens))."""
+        if not 0 <= n <= len(self.kv_tokens):
+            raise ValueError(f"truncate({n}): the cache holds {len(self.kv_tokens)} tokens")
+        self._truncate(n)
+        del self.kv_tokens[n:]
+
+    def check_fits(self, n_new: int) -> None:
+        """ContextFullError (with the numbers) unless n_new more tokens fit in the cache."""
+        have = len(self.kv_tokens)
+        if have + n_new > self.max_context:
+            raise ContextFullError(
+                f"{n_new} new tokens after {have} cached ones need {have + n_new} positions; "
+                f"the context holds {self.max_context}")
+
+    def forward(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append `tokens` at positions len(kv_tokens)..; fp32 logits [V] of the last one (CPU)."""
+        tokens = self._checked(tokens)
+        return self._append(tokens, self._forward)
+
+    def _checked(self, tokens: Sequence[int]) -> list[int]:
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise ValueError("forward() needs at least one token")
+        bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary "
+                             f"0..{self.config.vocab_size - 1}")
+        self.check_fits(len(tokens))
+        return tokens
+
+    def _append(self, tokens: list[int], fn) -> torch.Tensor:
+        n0 = len(self.kv_tokens)
+        try:
+            out = fn(tokens, n0)
+        except BaseException:
+            self._truncate(n0)  # release K/V and pages written past the old length
+            raise
+        self.kv_tokens.extend(tokens)
+        return out
+
+    # --- sampling loop ----------------------------------------------------------------------
+    def generate(self, new_tokens: Sequence[int], params, max_new_tokens: int,
+                 stop_ids: frozenset[int] = frozenset(),
+                 cancel: threading.Event | None = None) -> Iterator[StepEvent]:
+        """Prefill `new_tokens` after the cached prefix, then yield each sampled token.
+
+        Checks run now, before any work: ContextFullError if the prompt does not fit,
+        ValueError for bad arguments. With no new tokens the last cached token is
+        re-forwarded (its logits are not kept), so a fully cached prompt still works.
+        Ends after a stop id (yielded), `max_new_tokens` tokens, `cancel` being set, or the
+        cache being full (the last token is yielded but cannot be forwarded).
+        """
+        from ..sampling import Sampler  # lazily: sampling.py is optional for forward-only use
+
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+        params.validate()
+        new_tokens = [int(t) for t in new_tokens]
+        if not new_tokens:
+            if not self.kv_tokens:
+                raise ValueError("generate() needs new tokens or a cached prefix")
+            new_tokens = [self.kv_tokens[-1]]
+            self.truncate(len(self.kv_tokens) - 1)
+        new_tokens = self._checked(new_tokens)
+        return self._generate(new_tokens, Sampler(params), max_new_tokens,
+                              frozenset(stop_ids), cancel)
+
+    def _generate(self, new_tokens: list[int], sampler, max_new_tokens: int,
+                  stop_ids: frozenset[int], cancel: threading.Event | None
+                  ) -> Iterator[StepEvent]:
+        # kv_tokens stays exact at every suspension point because the only mutation is
+        # forward(), which is atomic; a token is yielded before it is forwarded, so an
+        # abandoned iterator leaves it out of the cache.
+        if cancel is not None and cancel.is_set():
+            return
+        t0 = time.perf_counter()
+        logits = self.forward(new_tokens)
+        for i in range(max_new_tokens):
+            token = sampler.sample(logits, self.kv_tokens)
+            step_ms = (time.perf_counter() - t0) * 1e3
+            yield StepEvent(token, step_ms, i == 0)
+            if (token in stop_ids or i + 1 == max_new_tokens
+                    or len(self.kv_tokens) >= self.max_context
+                    or (cancel is not None and cancel.is_set())):
+                return
+            t0 = time.perf_counter()  # the consumer's time between steps is not counted
+            logits = self.forward([token])
