@@ -93,7 +93,7 @@ class ReferenceBackend(Backend):
     def __init__(self, config: ModelConfig, tensors: Mapping[str, torch.Tensor],
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  max_context: int | None = None, kv_dtype: torch.dtype | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int, str], None] | None = None) -> None:
         device = torch.device(device)
         if max_context is None:
             max_context = config.max_position_embeddings
@@ -113,7 +113,7 @@ class ReferenceBackend(Backend):
     @classmethod
     def from_model_file(cls, mf, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, max_context: int | None = None,
-                        progress: Callable[[int, int], None] | None = None
+                        progress: Callable[[int, int, str], None] | None = None
                         ) -> "ReferenceBackend":
         """From an open `format.ModelFile` (tensors are read lazily from its mmap)."""
         return cls(mf.config, _LazyTensors(mf), device=device, dtype=dtype,
@@ -121,7 +121,8 @@ class ReferenceBackend(Backend):
 
     # --- weights ---------------------------------------------------------------------------
     def _load(self, tensors: Mapping[str, torch.Tensor],
-              progress: Callable[[int, int], None] | None) -> None:
+              progress: Callable[[int, int, str], None] | None) -> None:
+        # progress(done, total, what) as format.Progress, counted in layers here
         c = self.config
 
         def get(name: str) -> torch.Tensor:
@@ -144,7 +145,7 @@ class ReferenceBackend(Backend):
                 w=w, bq=get(p + "self_attn.q_proj.bias"), bk=get(p + "self_attn.k_proj.bias"),
                 bv=get(p + "self_attn.v_proj.bias")))
             if progress is not None:
-                progress(i + 1, c.num_hidden_layers)
+                progress(i + 1, c.num_hidden_layers, f"layer {i}")
 
     # --- forward ---------------------------------------------------------------------------
     def forward_all(self, tokens) -> torch.Tensor:

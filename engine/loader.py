@@ -1,0 +1,103 @@
+"""Open a `.nanoqwen` file and build the backend and tokenizer for it.
+
+"auto" picks the CUDA engine when a device and the built extension are there and falls back
+to the reference backend otherwise, recording why (`LoadedEngine.fallback_reason`) so the
+app and the CLI can say which backend runs and why. An explicit backend="cuda" that cannot
+run raises BackendUnavailable instead.
+
+The CUDA backend (backends/cuda.py, imported lazily) is expected to provide
+    CudaBackend.from_model_file(mf, mode=..., max_context=..., progress=...)
+raising BackendUnavailable when it cannot run here (no device, no compiler, build failed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .backends.base import Backend
+from .errors import BackendUnavailable, NanoqwenError
+from .format import ModelFile, Progress, open_model
+from .tokenizer import Tokenizer
+
+BACKENDS = ("auto", "cuda", "reference")
+
+
+def default_model_path() -> Path:
+    """The model bundled in assets/ (it may not exist; callers report that)."""
+    from nanoqwen import REPO_ROOT
+
+    return REPO_ROOT / "assets" / "tiny" / "tiny.nanoqwen"
+
+
+@dataclass
+class LoadedEngine:
+    backend: Backend
+    tokenizer: Tokenizer
+    model_file: ModelFile
+    fallback_reason: str | None = None  # why "auto" did not get CUDA; None otherwise
+
+    def __iter__(self):
+        # `backend, tokenizer, mf = load(...)` keeps working
+        return iter((self.backend, self.tokenizer, self.model_file))
+
+    def close(self) -> None:
+        self.model_file.close()
+
+
+def _cuda_backend(mf: ModelFile, mode: str, max_context: int | None,
+                  progress: Progress | None) -> Backend:
+    if not torch.cuda.is_available():
+        raise BackendUnavailable("no CUDA device is available")
+    try:
+        from .backends.cuda import CudaBackend
+    except ImportError as e:
+        raise BackendUnavailable(f"the CUDA backend cannot be imported: {e}") from e
+    return CudaBackend.from_model_file(mf, mode=mode, max_context=max_context, progress=progress)
+
+
+def load(path: str | Path | None = None, backend: str = "auto", mode: str = "graph",
+         progress: Progress | None = None, max_context: int | None = None) -> LoadedEngine:
+    """Open `path` (default: the bundled model) and build `backend` ("auto"|"cuda"|"reference").
+
+    `mode` is the decode mode to start in where the backend has it (the reference backend
+    only has "eager" and ignores it). `max_context` caps the KV cache (default: the
+    backend's own default). Raises FormatError for an unusable file, BackendUnavailable for
+    an explicit "cuda" that cannot run.
+    """
+    if backend not in BACKENDS:
+        raise NanoqwenError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
+    if max_context is not None and max_context <= 0:
+        raise NanoqwenError(f"max_context={max_context} must be positive")
+    path = Path(path) if path is not None else default_model_path()
+    if not path.exists():
+        raise NanoqwenError(f"model file {path} does not exist")
+    mf = open_model(path)
+    try:
+        tokenizer = Tokenizer.from_model_file(mf)
+        if max_context is not None and max_context > mf.config.max_position_embeddings:
+            raise NanoqwenError(f"max_context={max_context} exceeds the model's "
+                                f"max_position_embeddings={mf.config.max_position_embeddings}")
+        reason = None
+        be: Backend | None = None
+        if backend in ("auto", "cuda"):
+            try:
+                be = _cuda_backend(mf, mode, max_context, progress)
+            except BackendUnavailable as e:
+                if backend == "cuda":
+                    raise
+                reason = str(e)
+        if be is None:
+            from .backends.reference import ReferenceBackend
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            be = ReferenceBackend.from_model_file(mf, device=device, max_context=max_context,
+                                                  progress=progress)
+        if mode in be.modes:
+            be.mode = mode
+        return LoadedEngine(be, tokenizer, mf, reason)
+    except BaseException:
+        mf.close()
+        raise

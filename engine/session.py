@@ -1,0 +1,264 @@
+"""A chat session: multi-turn history over one backend, streamed as events.
+
+Each turn renders the whole conversation with the model's chat template, keeps the longest
+common prefix of those ids with `backend.kv_tokens` (truncating the rest) and prefills only
+the new tokens. Because the prompt is always a pure function of the messages, a session that
+reused its cache produces the same tokens (greedy) as a fresh session given the same
+messages; cancellation and errors only ever shorten the cache, never desynchronise it.
+
+Events (all frozen dataclasses), in order for one turn:
+    Notice?  (only when old turns had to be left out to fit the context)
+    per token: TokenIds, then TextDelta when the token completes text
+    TextDelta? (the detokenizer's held tail), Stats, Done(reason)
+A failure inside the backend is reported as Error(message) followed by Done("error").
+
+Context policy: when the conversation does not fit (prompt + a reserve of
+min(max_new_tokens, min_reply_tokens) reply tokens > max_context), the oldest turns (a user
+message with the replies that follow it) are left out of the prompt, the system prompt
+always kept, until it fits; a Notice says how many. `messages` keeps the whole
+conversation. If the system prompt + the new message alone do not fit, ContextFullError
+is raised (with the numbers) before anything is changed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from .errors import ContextFullError, NanoqwenError
+from .tokenizer import IncrementalDetokenizer
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    ids: tuple[int, ...]
+    step_ms: tuple[float, ...]       # per id; the first id of a turn carries the TTFT
+
+
+@dataclass(frozen=True)
+class Stats:
+    ttft_ms: float                   # prefill of the new tokens + first sample
+    ms_per_token: float | None       # median decode step (None: no decode step happened)
+    tokens_per_s: float | None       # decode steps / their total time
+    n_prompt: int                    # tokens of the rendered prompt
+    n_generated: int                 # sampled tokens, a stop token included
+    kv_len: int                      # tokens in the cache after the turn
+    max_context: int
+    mode: str
+    n_prefilled: int = 0             # prompt tokens actually forwarded this turn
+    n_reused: int = 0                # prompt tokens whose K/V came from the cache
+    prefill_tokens_per_s: float | None = None
+    backend: str = ""
+
+
+@dataclass(frozen=True)
+class Notice:
+    message: str
+    dropped_messages: int = 0
+
+
+@dataclass(frozen=True)
+class Done:
+    reason: str                      # "stop" | "length" | "cancelled" | "context" | "error"
+
+
+@dataclass(frozen=True)
+class Error:
+    message: str
+    exception: BaseException | None = field(default=None, compare=False, repr=False)
+
+
+Event = TextDelta | TokenIds | Stats | Notice | Done | Error
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class _Reply:
+    """What a turn has produced so far; read by the session even if the stream is abandoned."""
+
+    def __init__(self, tokenizer) -> None:
+        self.ids: list[int] = []
+        self.parts: list[str] = []
+        self.detok = IncrementalDetokenizer(tokenizer)
+
+    def text(self) -> str:
+        return "".join(self.parts) + self.detok.flush()
+
+
+def run_turn(backend, tokenizer, prompt_ids: Sequence[int], params, max_new_tokens: int,
+             cancel: threading.Event, reply: _Reply | None = None) -> Iterator[Event]:
+    """Generate after `prompt_ids`, reusing the cached prefix; yield events (module doc).
+
+    The caller has checked that the prompt fits. Usable without a ChatSession (raw prompts).
+    """
+    reply = reply if reply is not None else _Reply(tokenizer)
+    prompt_ids = list(prompt_ids)
+    # Keep at least one prompt token to forward: its logits give the first reply token.
+    n_reuse = min(common_prefix_len(backend.kv_tokens, prompt_ids), len(prompt_ids) - 1)
+    stop_ids = tokenizer.stop_ids
+    step_ms: list[float] = []
+    last = None
+    try:
+        backend.truncate(n_reuse)
+        steps = backend.generate(prompt_ids[n_reuse:], params, max_new_tokens, stop_ids, cancel)
+        try:
+            for ev in steps:
+                last = ev.token_id
+                reply.ids.append(ev.token_id)
+                step_ms.append(ev.step_ms)
+                yield TokenIds((ev.token_id,), (ev.step_ms,))
+                if ev.token_id not in stop_ids:  # the end-of-turn marker is not reply text
+                    text = reply.detok.push(ev.token_id)
+                    if text:
+                        reply.parts.append(text)
+                        yield TextDelta(text)
+        finally:
+            steps.close()  # the backend's loop ends now, not whenever it is collected
+    except Exception as e:  # noqa: BLE001 - reported to the consumer, cache stays consistent
+        msg = str(e) if isinstance(e, NanoqwenError) else f"{type(e).__name__}: {e}"
+        yield Error(msg, e)
+        yield Done("error")
+        return
+    tail = reply.detok.flush()
+    if tail:
+        reply.parts.append(tail)
+        yield TextDelta(tail)
+    if last is not None and last in stop_ids:
+        reason = "stop"
+    elif len(reply.ids) >= max_new_tokens:
+        reason = "length"
+    elif cancel.is_set():
+        reason = "cancelled"
+    else:
+        reason = "context"
+    decode = step_ms[1:]
+    n_prefilled = len(prompt_ids) - n_reuse
+    yield Stats(
+        ttft_ms=step_ms[0] if step_ms else 0.0,
+        ms_per_token=statistics.median(decode) if decode else None,
+        tokens_per_s=len(decode) / sum(decode) * 1e3 if decode and sum(decode) > 0 else None,
+        n_prompt=len(prompt_ids), n_generated=len(reply.ids), kv_len=len(backend.kv_tokens),
+        max_context=backend.max_context, mode=backend.mode, n_prefilled=n_prefilled,
+        n_reused=n_reuse,
+        prefill_tokens_per_s=n_prefilled / step_ms[0] * 1e3 if step_ms and step_ms[0] > 0 else None,
+        backend=backend.name)
+    yield Done(reason)
+
+
+def generate_raw(backend, tokenizer, text: str, params, max_new_tokens: int,
+                 cancel: threading.Event | None = None) -> Iterator[Event]:
+    """Continue `text` as-is (no chat template), reusing the cache like a session turn."""
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise NanoqwenError("the prompt is empty")
+    if len(ids) + 1 > backend.max_context:
+        raise ContextFullError(f"the prompt is {len(ids)} tokens; the context holds "
+                               f"{backend.max_context} and at least 1 is needed for the reply")
+    return run_turn(backend, tokenizer, ids, params, max_new_tokens,
+                    cancel if cancel is not None else threading.Event())
+
+
+class ChatSession:
+    """Multi-turn chat over `backend`. Not thread-safe, except `cancel()`."""
+
+    def __init__(self, backend, tokenizer, system_prompt: str | None = None,
+                 messages: Sequence[dict] | None = None, min_reply_tokens: int = 16) -> None:
+        self.backend, self.tokenizer = backend, tokenizer
+        self.system_prompt = system_prompt
+        self.min_reply_tokens = min_reply_tokens
+        self.history: list[dict] = []    # user/assistant messages, oldest first
+        if messages:
+            messages = [dict(m) for m in messages]
+            if messages[0]["role"] == "system":
+                if system_prompt is not None and system_prompt != messages[0]["content"]:
+                    raise ValueError("system_prompt and messages[0] (a system message) differ")
+                self.system_prompt = messages.pop(0)["content"]
+            self.history = messages
+        self._cancel = threading.Event()
+
+    @property
+    def messages(self) -> list[dict]:
+        """The whole conversation, the system message first when there is one."""
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return system + [dict(m) for m in self.history]
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays; the cache is reused as it fits)."""
+        self.history = []
+
+    def cancel(self) -> None:
+        """Stop the running turn at the next token (callable from any thread)."""
+        self._cancel.set()
+
+    def generate(self, user_text: str, params, max_new_tokens: int = 512,
+                 cancel: threading.Event | None = None) -> Iterator[Event]:
+        """Add a user message and stream the reply. Raises ContextFullError now if it cannot fit."""
+        return self._turn(list(self.history), user_text, params, max_new_tokens, cancel)
+
+    def regenerate(self, params, max_new_tokens: int = 512,
+                   cancel: threading.Event | None = None) -> Iterator[Event]:
+        """Replace the reply to the last user message with a new one."""
+        users = [i for i, m in enumerate(self.history) if m["role"] == "user"]
+        if not users:
+            raise NanoqwenError("there is no user message to regenerate a reply for")
+        i = users[-1]
+        return self._turn(self.history[:i], self.history[i]["content"], params,
+                          max_new_tokens, cancel)
+
+    # --- internals --------------------------------------------------------------------------
+    def _turn(self, base: list[dict], user_text: str, params, max_new_tokens: int,
+              cancel: threading.Event | None) -> Iterator[Event]:
+        user = {"role": "user", "content": user_text}
+        prompt_ids, dropped = self._fit(base, user, max_new_tokens)
+        params.validate()
+        self._cancel = cancel if cancel is not None else threading.Event()
+        return self._stream(base, user, prompt_ids, dropped, params, max_new_tokens, self._cancel)
+
+    def _stream(self, base, user, prompt_ids, dropped, params, max_new_tokens, cancel):
+        # History changes only once the stream starts, so an iterator that is never started
+        # leaves the session untouched.
+        self.history = base + [user]
+        if dropped:
+            yield Notice(f"the conversation is longer than the context ({self.backend.max_context} "
+                         f"tokens): the oldest {dropped} messages are left out of the prompt",
+                         dropped)
+        reply = _Reply(self.tokenizer)
+        try:
+            yield from run_turn(self.backend, self.tokenizer, prompt_ids, params,
+                                max_new_tokens, cancel, reply)
+        finally:
+            # Also on cancel, error or an abandoned stream: the partial reply is kept.
+            self.history.append({"role": "assistant", "content": reply.text()})
+
+    def _fit(self, base: list[dict], user: dict, max_new_tokens: int) -> tuple[list[int], int]:
+        """Prompt ids of system + base[k:] + user for the smallest k (at a turn boundary)
+        that leaves room for the reply reserve; (ids, k)."""
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        limit = self.backend.max_context - max(1, min(max_new_tokens, self.min_reply_tokens))
+        # turn boundaries: each user message starts a turn; never split a user from its reply
+        starts = [i for i, m in enumerate(base) if m["role"] == "user" and i > 0] + [len(base)]
+        ids = self.tokenizer.encode_chat(system + base + [user])
+        if len(ids) <= limit:
+            return ids, 0
+        for k in starts:
+            ids = self.tokenizer.encode_chat(system + base[k:] + [user])
+            if len(ids) <= limit:
+                return ids, k
+        reserve = self.backend.max_context - limit
+        raise ContextFullError(
+            f"the message does not fit the context: the prompt (system prompt + this message) "
+            f"is {len(ids)} tokens, {reserve} more are reserved for the reply, and the context "
+            f"holds {self.backend.max_context} tokens")
