@@ -1,0 +1,79 @@
+// gemv.h -- the batch-1 decode GEMV kernels: INT4 weight-only (group 128) and fp16 (lm_head).
+//
+// Torch-free: raw device pointers, a cudaStream_t, cudaError_t back. Every launcher checks its
+// arguments, launches on `stream` and returns cudaGetLastError(). On a failed argument check it
+// returns cudaErrorInvalidValue WITHOUT launching, and gemv_last_error_message() (per host
+// thread) then says what was wrong, with the numbers ("k=3500 is not a multiple of 128").
+// The binding should append that message to its exception.
+//
+// INT4 layout (engine/quant.py is the reference): W [n, k] is
+//   qweight uint32 [n, k/8]    eight 4-bit codes u (1..15) per word, rows contiguous; word j holds
+//                              k = 8j..8j+7, nibble p holds k = 8j + ORDER[p],
+//                              ORDER = {0,2,4,6,1,3,5,7}
+//   scales  half   [n, k/128]  one scale per group of 128 consecutive inputs
+//   W[n, k] = (u - 8) * scales[n, k/128]
+//
+// Invariants every launcher checks:
+//   n >= 1, k >= 128 and k % 128 == 0 (INT4) / k % 8 == 0 (fp16);
+//   x, qweight, w 16-byte aligned (torch allocations are; a sliced view may not be);
+//   all tensors contiguous, row-major, on the current device.
+// n may be anything >= 1 (no multiple of 8/32 needed): rows past n are never read or written.
+// Outputs must not alias inputs. All launchers are safe to capture in a CUDA graph.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// y[n] = sum_k W[n,k]*x[k] + (bias ? bias[n] : 0)      y, bias: half [n]; x: half [k]
+// (q/k/v are one call on the concatenated [q_size + 2*kv_size, k] matrix with one bias)
+cudaError_t gemv_int4(half* y, const half* x, const uint32_t* qweight, const half* scales,
+                      const half* bias, int n, int k, cudaStream_t stream);
+
+// hidden[n] += sum_k W[n,k]*x[k]    fp32 residual stream, in place (o_proj, down_proj).
+// Each row is written by exactly one warp (no atomics), so the result is deterministic.
+cudaError_t gemv_int4_residual(float* hidden, const half* x, const uint32_t* qweight,
+                               const half* scales, int n, int k, cudaStream_t stream);
+
+// out[j] = silu(Wg x)[j] * (Wu x)[j], j < n; gate and up are two INT4 matrices [n, k].
+// Both dot products and the SiLU are fp32; only `out` is rounded to half.
+cudaError_t gemv_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate,
+                               const half* sc_gate, const uint32_t* qw_up, const half* sc_up,
+                               int n, int k, cudaStream_t stream);
+
+// logits[n] = sum_k W[n,k]*x[k]   W fp16 row-major [n, k] (the lm_head), fp32 products and sums.
+cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k,
+                      cudaStream_t stream);
+
+// w half [n, k] = dequantize(qweight, scales); bit-identical to quant.dequantize(...).half()
+// ((u-8)*s is formed exactly and rounded once). Prefill uses it to feed cuBLAS.
+cudaError_t dequant_int4(half* w, const uint32_t* qweight, const half* scales, int n, int k,
+                         cudaStream_t stream);
+
+// The message of the last failed argument check in this host thread ("" if none yet).
+const char* gemv_last_error_message(void);
+
+// ---- benchmark hooks (benchmarks/gemv_harness.py); not for the engine -------------------------
+// Same math as the launchers above, with the kernel variant picked by index so one build can
+// time the alternatives recorded in benchmarks/GEMV_NOTES.md. op: 0 = gemv_int4 (out half,
+// bias may be null), 1 = gemv_int4_residual (out float), 2 = gemv_int4_silu_mul (qw2/sc2 = up).
+int gemv_int4_variant_count(void);
+const char* gemv_int4_variant_name(int variant);
+cudaError_t gemv_int4_bench(int variant, int op, void* out, const half* x, const uint32_t* qw,
+                            const half* sc, const uint32_t* qw2, const half* sc2,
+                            const half* bias, int n, int k, cudaStream_t stream);
+int gemv_fp16_variant_count(void);
+const char* gemv_fp16_variant_name(int variant);
+cudaError_t gemv_fp16_bench(int variant, float* logits, const half* x, const half* w, int n,
+                            int k, cudaStream_t stream);
+
+// internal: shared by the two .cu files to record a failed check; returns cudaErrorInvalidValue.
+cudaError_t gemv_fail_(const char* fmt, ...);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,370 @@
+// gemv_int4.cu -- batch-1 INT4 (group-128, symmetric, code offset 8) GEMV kernels for decode,
+// plus the INT4 -> fp16 dequantizer that prefill uses to feed cuBLAS.
+//
+// Layout: see gemv.h / engine/quant.py. A 16-byte load of a row (a "chunk") holds 32 consecutive
+// inputs: words j=0..3 cover k = 32c + 8j .. +7, and because of the interleaved nibble order
+//     lop3((w >> 4i) & 0x000F000F | 0x64006400)  ==  half2(1024 + u[8j+2i], 1024 + u[8j+2i+1])
+// i.e. two *consecutive* inputs, so the matching activations are a plain half2 of x.
+// Subtracting 1032 (1024 + code offset 8) is exact in fp16 and leaves q = u - 8 in -7..7.
+//
+// Work split: one warp owns R whole output rows (no split-K, no atomics: deterministic, and the
+// residual add is a plain read-modify-write). Lane l reads chunks l, l+32, l+64, ... of each row,
+// so every warp-wide load is 512 contiguous bytes; U chunks per row (x NM matrices x R rows) are
+// issued before any is used, to keep enough bytes in flight to cover DRAM latency. The 7B shapes
+// have n >= 3584 rows, i.e. >= 27 warps per SM, so whole-row warps already fill the chip; K is
+// never split. x (<= 54 KB) is read through the read-only path and stays L1-resident; weights
+// are loaded with L1::no_allocate so they do not evict it.
+//
+// Accumulation (variant ACC, measured in benchmarks/GEMV_NOTES.md):
+//   ACC_H16W  q*x products summed in fp16 within one word (4 products per half lane, exact q),
+//             then fp32 across words, the group scale applied in fp32 per chunk.
+//   ACC_H16C  weights dequantized to fp16 (q*s) and summed in fp16 over a whole 32-input chunk.
+//   ACC_F32   q and x converted to fp32, fp32 FMAs (most instructions).
+#include "gemv.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+
+namespace {
+
+constexpr int kWarps = 8;               // warps per block
+constexpr int kThreads = kWarps * 32;
+constexpr int kGroup = 128;
+
+enum { ACC_H16W = 0, ACC_H16C = 1, ACC_F32 = 2 };
+enum { OP_STORE = 0, OP_RESID = 1, OP_SILU = 2 };
+
+struct Args {
+  void* out;
+  const half* x;
+  const uint32_t* qw;
+  const half* sc;
+  const uint32_t* qw2;  // up matrix (OP_SILU only)
+  const half* sc2;
+  const half* bias;     // OP_STORE only, may be null
+  int n;
+  int k;
+};
+
+__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;  // (a & b) | c : immLut = (0xF0 & 0xCC) | 0xAA = 0xEA
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// Streaming 16-byte weight load: read-only path, do not allocate in L1 (x lives there).
+__device__ __forceinline__ uint4 ld_weights(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ half2 as_h2(uint32_t u) { return *reinterpret_cast<half2*>(&u); }
+
+// One word -> four half2 of exact q = u - 8, element pairs (0,1), (2,3), (4,5), (6,7).
+__device__ __forceinline__ void unpack_word(uint32_t v, half2 (&q)[4]) {
+  const half2 k1032 = as_h2(0x64086408u);  // half2(1032, 1032)
+#pragma unroll
+  for (int i = 0; i < 4; ++i) q[i] = __hsub2(as_h2(lop3_and_or(v >> (4 * i), 0x000F000Fu, 0x64006400u)), k1032);
+}
+
+// Dot product of one 32-input chunk of one row with x, scaled by the group scale, in fp32.
+template <int ACC>
+__device__ __forceinline__ float chunk_dot(const uint4& wv, const half2 (&xh)[16],
+                                           const float2 (&xf)[16], half s) {
+  const uint32_t w[4] = {wv.x, wv.y, wv.z, wv.w};
+  if constexpr (ACC == ACC_H16W) {
+    float2 r = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      half2 q[4];
+      unpack_word(w[j], q);
+      half2 a = __hmul2(q[0], xh[4 * j]);
+      a = __hfma2(q[1], xh[4 * j + 1], a);
+      a = __hfma2(q[2], xh[4 * j + 2], a);
+      a = __hfma2(q[3], xh[4 * j + 3], a);
+      const float2 f = __half22float2(a);
+      r.x += f.x;
+      r.y += f.y;
+    }
+    return (r.x + r.y) * __half2float(s);
+  } else if constexpr (ACC == ACC_H16C) {
+    const half2 s2 = __half2half2(s);
+    half2 a[2] = {__float2half2_rn(0.f), __float2half2_rn(0.f)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      half2 q[4];
+      unpack_word(w[j], q);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[j & 1] = __hfma2(__hmul2(q[i], s2), xh[4 * j + i], a[j & 1]);
+    }
+    const float2 f0 = __half22float2(a[0]), f1 = __half22float2(a[1]);
+    return (f0.x + f1.x) + (f0.y + f1.y);
+  } else {
+    float r0 = 0.f, r1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      half2 q[4];
+      unpack_word(w[j], q);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 qf = __half22float2(q[i]);
+        r0 = fmaf(qf.x, xf[4 * j + i].x, r0);
+        r1 = fmaf(qf.y, xf[4 * j + i].y, r1);
+      }
+    }
+    return (r0 + r1) * __half2float(s);
+  }
+}
+
+template <int R, int U, int ACC, int OP>
+__global__ void __launch_bounds__(kThreads) gemv_int4_kernel(const Args a) {
+  constexpr int NM = OP == OP_SILU ? 2 : 1;  // matrices read per output row
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * R;
+  if (row0 >= a.n) return;  // whole warp leaves together: no shuffle below is orphaned
+  const int C = a.k >> 5;       // 16-byte chunks per row
+  const int G = a.k >> 7;       // groups per row
+
+  const uint4* qrow[NM][R];
+  const half* srow[NM][R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    // rows past n (last warp only) re-read row n-1; their sums are never stored
+    const size_t row = (size_t)min(row0 + r, a.n - 1);
+    qrow[0][r] = reinterpret_cast<const uint4*>(a.qw) + row * C;
+    srow[0][r] = a.sc + row * G;
+    if constexpr (NM == 2) {
+      qrow[NM - 1][r] = reinterpret_cast<const uint4*>(a.qw2) + row * C;
+      srow[NM - 1][r] = a.sc2 + row * G;
+    }
+  }
+  const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
+
+  float acc[NM][R];
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
+
+  for (int c0 = lane; c0 < C; c0 += 32 * U) {
+    uint4 wv[U][NM][R];
+    half sv[U][NM][R];
+    // issue every weight and scale load of this step before the first use
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c < C) {
+#pragma unroll
+        for (int m = 0; m < NM; ++m)
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            wv[u][m][r] = ld_weights(qrow[m][r] + c);
+            sv[u][m][r] = __ldg(srow[m][r] + (c >> 2));
+          }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c < C) {
+        half2 xh[16];
+        float2 xf[16];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint4 v = __ldg(x4 + 4 * c + j);
+          xh[4 * j + 0] = as_h2(v.x);
+          xh[4 * j + 1] = as_h2(v.y);
+          xh[4 * j + 2] = as_h2(v.z);
+          xh[4 * j + 3] = as_h2(v.w);
+        }
+        if constexpr (ACC == ACC_F32) {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) xf[i] = __half22float2(xh[i]);
+        }
+#pragma unroll
+        for (int m = 0; m < NM; ++m)
+#pragma unroll
+          for (int r = 0; r < R; ++r) acc[m][r] += chunk_dot<ACC>(wv[u][m][r], xh, xf, sv[u][m][r]);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc[m][r] += __shfl_xor_sync(0xffffffffu, acc[m][r], off);
+
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = row0 + r;
+    if (lane == r && row < a.n) {
+      if constexpr (OP == OP_STORE) {
+        float v = acc[0][r];
+        if (a.bias) v += __half2float(a.bias[row]);
+        static_cast<half*>(a.out)[row] = __float2half_rn(v);
+      } else if constexpr (OP == OP_RESID) {
+        static_cast<float*>(a.out)[row] += acc[0][r];
+      } else {
+        const float g = acc[0][r], u = acc[NM - 1][r];
+        static_cast<half*>(a.out)[row] = __float2half_rn(g / (1.f + __expf(-g)) * u);
+      }
+    }
+  }
+}
+
+// One thread per 16-byte chunk: 32 outputs, written as four 16-byte stores.
+__global__ void __launch_bounds__(256) dequant_int4_kernel(half* w, const uint4* qw, const half* sc,
+                                                           size_t total_chunks, int C, int G) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total_chunks;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const size_t row = i / C;
+    const int c = (int)(i - row * C);
+    const uint4 v = qw[i];
+    const half2 s2 = __half2half2(sc[row * G + (c >> 2)]);
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    uint4* dst = reinterpret_cast<uint4*>(w) + i * 4;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      half2 q[4];
+      unpack_word(words[j], q);
+      // q exact and |q| <= 8, so q*s is exact before the single fp16 rounding: bit-identical to
+      // the fp32 reference rounded to half
+      half2 o[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) o[t] = __hmul2(q[t], s2);
+      dst[j] = *reinterpret_cast<uint4*>(o);
+    }
+  }
+}
+
+// ---- variants ---------------------------------------------------------------------------------
+template <int R, int U, int ACC>
+cudaError_t launch_int4(int op, const Args& a, cudaStream_t stream) {
+  const int warps = (a.n + R - 1) / R;
+  const dim3 grid((warps + kWarps - 1) / kWarps), block(kThreads);
+  switch (op) {
+    case OP_STORE: gemv_int4_kernel<R, U, ACC, OP_STORE><<<grid, block, 0, stream>>>(a); break;
+    case OP_RESID: gemv_int4_kernel<R, U, ACC, OP_RESID><<<grid, block, 0, stream>>>(a); break;
+    case OP_SILU: gemv_int4_kernel<R, U, ACC, OP_SILU><<<grid, block, 0, stream>>>(a); break;
+    default: return gemv_fail_("gemv_int4: op=%d is not 0 (store), 1 (residual) or 2 (silu_mul)", op);
+  }
+  return cudaGetLastError();
+}
+
+struct Int4Variant {
+  const char* name;
+  cudaError_t (*launch)(int, const Args&, cudaStream_t);
+};
+
+// Index 0 is what the engine's launchers use (chosen from the measurements in GEMV_NOTES.md).
+const Int4Variant kInt4Variants[] = {
+    {"R1_U4_h16word", launch_int4<1, 4, ACC_H16W>},
+    {"R1_U4_h16chunk", launch_int4<1, 4, ACC_H16C>},
+    {"R1_U4_f32", launch_int4<1, 4, ACC_F32>},
+    {"R2_U4_h16word", launch_int4<2, 4, ACC_H16W>},
+    {"R1_U8_h16word", launch_int4<1, 8, ACC_H16W>},
+    {"R2_U2_h16word", launch_int4<2, 2, ACC_H16W>},
+    {"R1_U2_h16word", launch_int4<1, 2, ACC_H16W>},
+};
+constexpr int kNumInt4Variants = sizeof(kInt4Variants) / sizeof(kInt4Variants[0]);
+
+bool misaligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) != 0; }
+
+cudaError_t check_int4(const char* fn, const void* out, const half* x, const uint32_t* qw,
+                       const half* sc, int n, int k) {
+  if (!out || !x || !qw || !sc)
+    return gemv_fail_("%s: null pointer (out=%p x=%p qweight=%p scales=%p)", fn, out, (const void*)x,
+                      (const void*)qw, (const void*)sc);
+  if (n < 1) return gemv_fail_("%s: n=%d must be >= 1", fn, n);
+  if (k < kGroup || k % kGroup)
+    return gemv_fail_("%s: k=%d is not a positive multiple of the INT4 group %d", fn, k, kGroup);
+  if (misaligned16(x) || misaligned16(qw))
+    return gemv_fail_("%s: x=%p and qweight=%p must be 16-byte aligned", fn, (const void*)x,
+                      (const void*)qw);
+  return cudaSuccess;
+}
+
+}  // namespace
+
+extern "C" {
+
+cudaError_t gemv_int4(half* y, const half* x, const uint32_t* qweight, const half* scales,
+                      const half* bias, int n, int k, cudaStream_t stream) {
+  if (cudaError_t e = check_int4("gemv_int4", y, x, qweight, scales, n, k)) return e;
+  return kInt4Variants[0].launch(OP_STORE, Args{y, x, qweight, scales, nullptr, nullptr, bias, n, k},
+                                 stream);
+}
+
+cudaError_t gemv_int4_residual(float* hidden, const half* x, const uint32_t* qweight,
+                               const half* scales, int n, int k, cudaStream_t stream) {
+  if (cudaError_t e = check_int4("gemv_int4_residual", hidden, x, qweight, scales, n, k)) return e;
+  return kInt4Variants[0].launch(
+      OP_RESID, Args{hidden, x, qweight, scales, nullptr, nullptr, nullptr, n, k}, stream);
+}
+
+cudaError_t gemv_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate,
+                               const half* sc_gate, const uint32_t* qw_up, const half* sc_up,
+                               int n, int k, cudaStream_t stream) {
+  if (cudaError_t e = check_int4("gemv_int4_silu_mul", out, x, qw_gate, sc_gate, n, k)) return e;
+  if (!qw_up || !sc_up || misaligned16(qw_up))
+    return gemv_fail_("gemv_int4_silu_mul: up matrix qweight=%p (16-byte aligned) and scales=%p "
+                      "must be non-null", (const void*)qw_up, (const void*)sc_up);
+  return kInt4Variants[0].launch(OP_SILU, Args{out, x, qw_gate, sc_gate, qw_up, sc_up, nullptr, n, k},
+                                 stream);
+}
+
+cudaError_t dequant_int4(half* w, const uint32_t* qweight, const half* scales, int n, int k,
+                         cudaStream_t stream) {
+  if (!w || !qweight || !scales)
+    return gemv_fail_("dequant_int4: null pointer (w=%p qweight=%p scales=%p)", (void*)w,
+                      (const void*)qweight, (const void*)scales);
+  if (n < 1) return gemv_fail_("dequant_int4: n=%d must be >= 1", n);
+  if (k < kGroup || k % kGroup)
+    return gemv_fail_("dequant_int4: k=%d is not a positive multiple of the INT4 group %d", k, kGroup);
+  if (misaligned16(w) || misaligned16(qweight))
+    return gemv_fail_("dequant_int4: w=%p and qweight=%p must be 16-byte aligned", (void*)w,
+                      (const void*)qweight);
+  const size_t total = (size_t)n * (k / 32);
+  const size_t blocks = (total + 255) / 256;
+  const unsigned grid = (unsigned)(blocks < (1u << 20) ? blocks : (1u << 20));
+  dequant_int4_kernel<<<grid, 256, 0, stream>>>(w, reinterpret_cast<const uint4*>(qweight), scales,
+                                                total, k / 32, k / kGroup);
+  return cudaGetLastError();
+}
+
+int gemv_int4_variant_count(void) { return kNumInt4Variants; }
+
+const char* gemv_int4_variant_name(int variant) {
+  return (variant >= 0 && variant < kNumInt4Variants) ? kInt4Variants[variant].name : nullptr;
+}
+
+cudaError_t gemv_int4_bench(int variant, int op, void* out, const half* x, const uint32_t* qw,
+                            const half* sc, const uint32_t* qw2, const half* sc2,
+                            const half* bias, int n, int k, cudaStream_t stream) {
+  if (variant < 0 || variant >= kNumInt4Variants)
+    return gemv_fail_("gemv_int4_bench: variant=%d not in [0, %d)", variant, kNumInt4Variants);
+  if (cudaError_t e = check_int4("gemv_int4_bench", out, x, qw, sc, n, k)) return e;
+  if (op == OP_SILU && (!qw2 || !sc2 || misaligned16(qw2)))
+    return gemv_fail_("gemv_int4_bench: op=2 needs the up matrix (qw2=%p sc2=%p)", (const void*)qw2,
+                      (const void*)sc2);
+  return kInt4Variants[variant].launch(op, Args{out, x, qw, sc, qw2, sc2, bias, n, k}, stream);
+}
+
+static thread_local char g_gemv_msg[512];
+
+const char* gemv_last_error_message(void) { return g_gemv_msg; }
+
+cudaError_t gemv_fail_(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g_gemv_msg, sizeof g_gemv_msg, fmt, ap);
+  va_end(ap);
+  return cudaErrorInvalidValue;
+}
+
+}  // extern "C"
