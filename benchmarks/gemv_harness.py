@@ -1,0 +1,464 @@
+"""Build, check and time the GEMV kernels of csrc/gemv_*.cu without torch bindings (ctypes).
+
+One command on the GPU machine:
+    python3 benchmarks/gemv_harness.py --out "$OUT"          # build, check, bench, table last
+    python3 benchmarks/gemv_harness.py --check-only          # correctness only
+It compiles csrc/gemv_int4.cu + csrc/gemv_fp16.cu with nvcc into a shared library (build dir:
+$GEMV_BUILD_DIR or /tmp/nanoqwen_gemv_build, rebuilt when a source is newer), then
+
+  check: every launcher and every benchmark variant against an fp32/fp64 PyTorch reference built
+         from engine/quant.py's dequantize, on fresh random data with awkward n (1, 3, 643 = 5*128+3
+         ...) and k from 128 to 27648; outputs poisoned with NaN first; bad arguments must fail
+         with a message carrying the numbers.
+  bench: the 7B decode shapes, every variant, as a CUDA graph of many launches rotating among
+         enough weight copies that the set is >= 4x the 50 MB L2; median over replays; GB/s
+         counts every byte a launch must move (weights + scales + x + output) against the
+         measured 4276 GB/s device copy bandwidth.
+
+Tolerances (relative L2 error ||out - ref|| / ||ref||, ref in fp64 from the same fp16 inputs):
+  half outputs: 2e-3. Output rounding alone is ~3e-4 rms; products of exact q (-7..7) with fp16 x
+                rounded to fp16 and summed 4 deep in fp16 add about as much again; 2e-3 leaves 3x.
+  fp32 outputs with the fp16-product variants: 2e-3, same reason minus the output rounding.
+  gemv_fp16 (fp32 products and sums of exact fp16 values): 1e-5 (fp32 summation over k <= 27648).
+  dequant_int4: bit-exact ((u-8)*s is exact before its one rounding, as in the reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import importlib.util
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCES = [REPO / "csrc" / "gemv_int4.cu", REPO / "csrc" / "gemv_fp16.cu"]
+HEADER = REPO / "csrc" / "gemv.h"
+COPY_GBPS = 4276.0  # H200 device-to-device copy, read + write (../shared/design/GPU.md)
+L2_BYTES = 50 * 2**20
+
+OP_STORE, OP_RESID, OP_SILU = 0, 1, 2
+TOL_HALF = 2e-3
+TOL_F32_INT4 = 2e-3
+TOL_FP16 = 1e-5
+
+_log_file = None
+
+
+def log(*a):
+    s = " ".join(str(x) for x in a)
+    print(s, flush=True)
+    if _log_file:
+        _log_file.write(s + "\n")
+        _log_file.flush()
+
+
+def load_quant():
+    spec = importlib.util.spec_from_file_location("nanoqwen_quant", REPO / "engine" / "quant.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def build() -> Path:
+    bdir = Path(os.environ.get("GEMV_BUILD_DIR", "/tmp/nanoqwen_gemv_build"))
+    bdir.mkdir(parents=True, exist_ok=True)
+    lib = bdir / "libgemv.so"
+    newest = max(p.stat().st_mtime for p in SOURCES + [HEADER])
+    if lib.exists() and lib.stat().st_mtime > newest and not os.environ.get("GEMV_REBUILD"):
+        return lib
+    objs = []
+    procs = []
+    flags = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC",
+             "-Xptxas", "-v"]
+    t0 = time.time()
+    for src in SOURCES:  # compile in parallel, then link
+        obj = bdir / (src.stem + ".o")
+        objs.append(obj)
+        procs.append((src, subprocess.Popen(["nvcc", *flags, "-c", str(src), "-o", str(obj)],
+                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    for src, p in procs:
+        out, _ = p.communicate()
+        (bdir / (src.stem + ".ptxas.txt")).write_text(out)
+        if p.returncode:
+            sys.exit(f"nvcc failed on {src.name}:\n{out}")
+    subprocess.run(["nvcc", "-shared", "-o", str(lib), *map(str, objs)], check=True)
+    log(f"built {lib} in {time.time() - t0:.1f} s")
+    return lib
+
+
+class Lib:
+    def __init__(self, path: Path):
+        L = ctypes.CDLL(str(path))
+        P, I = ctypes.c_void_p, ctypes.c_int
+        sig = {
+            "gemv_int4": [P, P, P, P, P, I, I, P],
+            "gemv_int4_residual": [P, P, P, P, I, I, P],
+            "gemv_int4_silu_mul": [P, P, P, P, P, P, I, I, P],
+            "gemv_fp16": [P, P, P, I, I, P],
+            "dequant_int4": [P, P, P, I, I, P],
+            "gemv_int4_bench": [I, I, P, P, P, P, P, P, P, I, I, P],
+            "gemv_fp16_bench": [I, P, P, P, I, I, P],
+        }
+        for name, args in sig.items():
+            f = getattr(L, name)
+            f.argtypes, f.restype = args, ctypes.c_int
+        for name in ("gemv_int4_variant_count", "gemv_fp16_variant_count"):
+            getattr(L, name).restype = ctypes.c_int
+        for name in ("gemv_int4_variant_name", "gemv_fp16_variant_name"):
+            getattr(L, name).restype = ctypes.c_char_p
+            getattr(L, name).argtypes = [ctypes.c_int]
+        L.gemv_last_error_message.restype = ctypes.c_char_p
+        self.L = L
+        self.int4_variants = [L.gemv_int4_variant_name(i).decode() for i in range(L.gemv_int4_variant_count())]
+        self.fp16_variants = [L.gemv_fp16_variant_name(i).decode() for i in range(L.gemv_fp16_variant_count())]
+
+    def call(self, name, *args):
+        rc = getattr(self.L, name)(*args)
+        if rc != 0:
+            raise RuntimeError(f"{name} returned cudaError {rc}: {self.L.gemv_last_error_message().decode()}")
+
+    def msg(self) -> str:
+        return self.L.gemv_last_error_message().decode()
+
+
+def ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+def stream():
+    return torch.cuda.current_stream().cuda_stream
+
+
+# ---- data ---------------------------------------------------------------------------------------
+def rand_int4(quant, n, k, gen):
+    """Random codes 1..15 packed in quant.py's layout + random scales; W' (fp32, cuda)."""
+    codes = torch.randint(1, 16, (n, k), generator=gen)
+    qweight = quant.pack_codes(codes)
+    scales = (torch.rand(n, k // 128, generator=gen) * 0.02 + 0.001).to(torch.float16)
+    w = quant.dequantize(qweight, scales, torch.float32)
+    return qweight.cuda(), scales.cuda(), w.cuda()
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# ---- correctness --------------------------------------------------------------------------------
+def check(lib: Lib, quant) -> list[str]:
+    fails = []
+    gen = torch.Generator().manual_seed(int(time.time()))  # fresh data every run
+
+    def expect(name, err, tol):
+        ok = err <= tol
+        log(f"  {'ok  ' if ok else 'FAIL'} {name}: rel err {err:.2e} (tol {tol:.0e})")
+        if not ok:
+            fails.append(f"{name}: {err:.2e} > {tol:.0e}")
+
+    # realistic weights through quant.quantize once (the exact conversion path of the engine)
+    wreal = torch.randn(643, 896, generator=gen) * 0.02
+    qw_r, sc_r = quant.quantize(wreal)
+    w_r = quant.dequantize(qw_r, sc_r).cuda()
+    qw_r, sc_r = qw_r.cuda(), sc_r.cuda()
+
+    shapes = [(1, 128), (3, 256), (643, 896), (77, 1152), (643, 3584), (4608, 3584), (37, 18944),
+              (29, 27648), (643, 18944)]
+    log("== correctness: launchers (default variant) ==")
+    cases = [("quantize(randn)", 643, 896, qw_r, sc_r, w_r)] + [
+        (f"{n}x{k}", n, k, *rand_int4(quant, n, k, gen)) for n, k in shapes]
+    for label, n, k, qw, sc, w in cases:
+        x = (torch.randn(k, generator=gen)).half().cuda()
+        ref = w.double() @ x.double()
+        bias = (torch.randn(n, generator=gen) * 0.5).half().cuda()
+        y = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
+        lib.call("gemv_int4", ptr(y), ptr(x), ptr(qw), ptr(sc), ptr(bias), n, k, stream())
+        expect(f"gemv_int4 {label} +bias", rel_err(y, ref + bias.double()), TOL_HALF)
+        lib.call("gemv_int4", ptr(y), ptr(x), ptr(qw), ptr(sc), None, n, k, stream())
+        expect(f"gemv_int4 {label} nobias", rel_err(y, ref), TOL_HALF)
+        h0 = torch.randn(n, device="cuda") * 3
+        h = h0.clone()
+        lib.call("gemv_int4_residual", ptr(h), ptr(x), ptr(qw), ptr(sc), n, k, stream())
+        expect(f"gemv_int4_residual {label}", rel_err(h - h0, ref), TOL_F32_INT4)
+        # up matrix: a shuffled copy of the rows, so gate != up
+        perm = torch.randperm(n, generator=gen).cuda()
+        qu, su, wu = qw[perm].contiguous(), sc[perm].contiguous(), w[perm]
+        o = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
+        lib.call("gemv_int4_silu_mul", ptr(o), ptr(x), ptr(qw), ptr(sc), ptr(qu), ptr(su), n, k, stream())
+        ref_s = torch.nn.functional.silu(ref) * (wu.double() @ x.double())
+        expect(f"gemv_int4_silu_mul {label}", rel_err(o, ref_s), TOL_HALF)
+        d = torch.full((n, k), float("nan"), dtype=torch.float16, device="cuda")
+        lib.call("dequant_int4", ptr(d), ptr(qw), ptr(sc), n, k, stream())
+        exact = torch.equal(d.view(torch.int16), w.half().view(torch.int16))
+        log(f"  {'ok  ' if exact else 'FAIL'} dequant_int4 {label}: bit-exact={exact}")
+        if not exact:
+            fails.append(f"dequant_int4 {label} not bit-exact")
+    torch.cuda.synchronize()
+
+    log("== correctness: every int4 variant x op ==")
+    for n, k in [(643, 3584), (5, 18944), (1, 896)]:
+        qw, sc, w = rand_int4(quant, n, k, gen)
+        qu, su, wu = rand_int4(quant, n, k, gen)
+        for outlier in (False, True):
+            x = torch.randn(k, generator=gen)
+            if outlier:  # a few massive activations, as Qwen's down_proj inputs have
+                idx = torch.randperm(k, generator=gen)[:4]
+                x[idx] = torch.tensor([1000.0, -1000.0, 800.0, -600.0])
+            x = x.half().cuda()
+            ref = w.double() @ x.double()
+            refu = wu.double() @ x.double()
+            for v, vname in enumerate(lib.int4_variants):
+                tag = f"{vname} {n}x{k}{' outliers' if outlier else ''}"
+                y = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
+                lib.call("gemv_int4_bench", v, OP_STORE, ptr(y), ptr(x), ptr(qw), ptr(sc), None, None, None, n, k, stream())
+                expect(f"store {tag}", rel_err(y, ref), TOL_HALF)
+                h = torch.zeros(n, device="cuda")
+                lib.call("gemv_int4_bench", v, OP_RESID, ptr(h), ptr(x), ptr(qw), ptr(sc), None, None, None, n, k, stream())
+                expect(f"resid {tag}", rel_err(h, ref), TOL_F32_INT4)
+                o = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
+                lib.call("gemv_int4_bench", v, OP_SILU, ptr(o), ptr(x), ptr(qw), ptr(sc), ptr(qu), ptr(su), None, n, k, stream())
+                ref_s = torch.nn.functional.silu(ref) * refu
+                if outlier:  # silu(g)*u squares the outliers' scale: can leave fp16 range legitimately
+                    ok = torch.isfinite(ref_s.half()).all()
+                    if not ok:
+                        continue
+                expect(f"silu {tag}", rel_err(o, ref_s), TOL_HALF)
+
+    log("== correctness: gemv_fp16 (lm_head) ==")
+    for n, k in [(1, 8), (643, 896), (1003, 3584), (77, 27648), (152064, 3584)]:
+        w = (torch.randn(n, k, device="cuda") * 0.02).half()
+        x = torch.randn(k, device="cuda").half()
+        ref = w.double() @ x.double()
+        for v, vname in enumerate(lib.fp16_variants):
+            out = torch.full((n,), float("nan"), device="cuda")
+            lib.call("gemv_fp16_bench", v, ptr(out), ptr(x), ptr(w), n, k, stream())
+            expect(f"gemv_fp16 {vname} {n}x{k}", rel_err(out, ref), TOL_FP16)
+        out = torch.full((n,), float("nan"), device="cuda")
+        lib.call("gemv_fp16", ptr(out), ptr(x), ptr(w), n, k, stream())
+        expect(f"gemv_fp16 launcher {n}x{k}", rel_err(out, ref), TOL_FP16)
+
+    log("== bad arguments must fail with the numbers ==")
+    x = torch.randn(4096, device="cuda").half()
+    qw, sc, _ = rand_int4(quant, 8, 256, gen)
+    y = torch.empty(8, dtype=torch.float16, device="cuda")
+    f32 = torch.empty(8, device="cuda")
+    bad = [
+        ("k=100", lambda: lib.L.gemv_int4(ptr(y), ptr(x), ptr(qw), ptr(sc), None, 8, 100, stream()), "k=100"),
+        ("n=0", lambda: lib.L.gemv_int4_residual(ptr(f32), ptr(x), ptr(qw), ptr(sc), 0, 256, stream()), "n=0"),
+        ("misaligned x", lambda: lib.L.gemv_int4_silu_mul(ptr(y), ptr(x) + 2, ptr(qw), ptr(sc), ptr(qw), ptr(sc), 8, 256, stream()), "aligned"),
+        ("null up", lambda: lib.L.gemv_int4_silu_mul(ptr(y), ptr(x), ptr(qw), ptr(sc), None, ptr(sc), 8, 256, stream()), "up matrix"),
+        ("fp16 k=12", lambda: lib.L.gemv_fp16(ptr(f32), ptr(x), ptr(x), 1, 12, stream()), "k=12"),
+        ("dequant k=200", lambda: lib.L.dequant_int4(ptr(y), ptr(qw), ptr(sc), 1, 200, stream()), "k=200"),
+    ]
+    for name, fn, needle in bad:
+        rc = fn()
+        m = lib.msg()
+        ok = rc != 0 and needle in m
+        log(f"  {'ok  ' if ok else 'FAIL'} {name}: rc={rc} msg={m!r}")
+        if not ok:
+            fails.append(f"bad-arg {name}")
+    torch.cuda.synchronize()
+    return fails
+
+
+# ---- benchmark ----------------------------------------------------------------------------------
+def shapes_7b():
+    # name, op, n, k ; bytes moved per launch
+    return [
+        ("qkv 4608x3584", "int4", OP_STORE, 4608, 3584),
+        ("o_proj 3584x3584", "int4", OP_RESID, 3584, 3584),
+        ("gate/up 2x18944x3584", "int4", OP_SILU, 18944, 3584),
+        ("down 3584x18944", "int4", OP_RESID, 3584, 18944),
+        ("lm_head 152064x3584", "fp16", None, 152064, 3584),
+    ]
+
+
+def bytes_moved(kind, op, n, k):
+    if kind == "fp16":
+        return n * k * 2 + k * 2 + n * 4
+    nm = 2 if op == OP_SILU else 1
+    b = nm * (n * k // 2 + n * (k // 128) * 2) + k * 2
+    b += n * 8 if op == OP_RESID else n * 2 + (n * 2 if op == OP_STORE else 0)  # bias read for qkv
+    return b
+
+
+def time_graph(launch, ncopies, launches, reps=25):
+    """Median µs per launch of a graph of `launches` launches cycling through the copies."""
+    for i in range(ncopies):
+        launch(i)  # warm up (module load) outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.graph(g, stream=s):
+        for i in range(launches):
+            launch(i % ncopies)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(reps):
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / launches)
+    return statistics.median(ts), min(ts), max(ts)
+
+
+def time_eager(launch, ncopies, launches=200):
+    for i in range(ncopies):
+        launch(i)
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for i in range(launches):
+        launch(i % ncopies)
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) * 1e3 / launches
+
+
+def bench(lib: Lib, results: dict):
+    # ceilings on this very machine first
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(10):
+        b.copy_(a)
+    e1.record()
+    e1.synchronize()
+    copy_gbps = 2 * 2**30 * 10 / (e0.elapsed_time(e1) * 1e-3) / 1e9
+    a.random_()
+    h = a.view(torch.float16)
+    hs = h.float().sum()  # noqa: F841 (warm)
+    torch.cuda.synchronize()
+    e0.record()
+    for _ in range(5):
+        h.view(-1, 4096).sum(dim=1, dtype=torch.float32)
+    e1.record()
+    e1.synchronize()
+    read_gbps = 2**30 * 5 / (e0.elapsed_time(e1) * 1e-3) / 1e9
+    del a, b, h
+    log(f"== ceilings here: copy {copy_gbps:.0f} GB/s (read+write), torch row-sum read {read_gbps:.0f} GB/s ==")
+    results["copy_gbps"], results["read_gbps"] = copy_gbps, read_gbps
+
+    rows = []
+    for name, kind, op, n, k in shapes_7b():
+        nbytes = bytes_moved(kind, op, n, k)
+        ncopies = max(2, math.ceil(4 * L2_BYTES / nbytes))
+        launches = max(ncopies, 48 if nbytes < 100e6 else 8)
+        x = torch.randn(k, device="cuda").half()
+        if kind == "fp16":
+            ws = [(torch.randn(n, k, device="cuda") * 0.02).half() for _ in range(ncopies)]
+            out = torch.empty(n, device="cuda")
+            variants = lib.fp16_variants
+
+            def mk(v):
+                return lambda i: lib.L.gemv_fp16_bench(v, ptr(out), ptr(x), ptr(ws[i]), n, k, stream())
+            default = lambda i: lib.L.gemv_fp16(ptr(out), ptr(x), ptr(ws[i]), n, k, stream())
+        else:
+            nm = 2 if op == OP_SILU else 1
+            qws = [torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
+                   for _ in range(ncopies * nm)]
+            scs = [(torch.rand(n, k // 128, device="cuda") * 0.02).half() for _ in range(ncopies * nm)]
+            bias = torch.randn(n, device="cuda").half() if op == OP_STORE else None
+            out = torch.zeros(n, device="cuda", dtype=torch.float32 if op == OP_RESID else torch.float16)
+            variants = lib.int4_variants
+
+            def mk(v):
+                def f(i):
+                    j = i * nm
+                    q2 = ptr(qws[j + 1]) if nm == 2 else None
+                    s2 = ptr(scs[j + 1]) if nm == 2 else None
+                    return lib.L.gemv_int4_bench(v, op, ptr(out), ptr(x), ptr(qws[j]), ptr(scs[j]), q2, s2, ptr(bias), n, k, stream())
+                return f
+            if op == OP_STORE:
+                default = lambda i: lib.L.gemv_int4(ptr(out), ptr(x), ptr(qws[i]), ptr(scs[i]), ptr(bias), n, k, stream())
+            elif op == OP_RESID:
+                default = lambda i: lib.L.gemv_int4_residual(ptr(out), ptr(x), ptr(qws[i]), ptr(scs[i]), n, k, stream())
+            else:
+                default = lambda i: lib.L.gemv_int4_silu_mul(ptr(out), ptr(x), ptr(qws[2 * i]), ptr(scs[2 * i]), ptr(qws[2 * i + 1]), ptr(scs[2 * i + 1]), n, k, stream())
+        log(f"== {name}: {nbytes / 1e6:.2f} MB/launch, {ncopies} copies, graph of {launches} ==")
+        for v, vname in enumerate(variants):
+            med, lo, hi = time_graph(mk(v), ncopies, launches)
+            gbps = nbytes / (med * 1e-6) / 1e9
+            log(f"  {vname:<16} {med:8.2f} us (min {lo:.2f} max {hi:.2f})  {gbps:7.0f} GB/s  {100 * gbps / COPY_GBPS:5.1f}%")
+            rows.append(dict(shape=name, variant=vname, us=med, us_min=lo, us_max=hi, gbps=gbps,
+                             pct=100 * gbps / COPY_GBPS))
+        med, lo, hi = time_graph(default, ncopies, launches)
+        med2, _, _ = time_graph(default, ncopies, launches)  # same version twice: the noise
+        eager = time_eager(default, ncopies)
+        gbps = nbytes / (med * 1e-6) / 1e9
+        log(f"  {'LAUNCHER':<16} {med:8.2f} us (again {med2:.2f}; eager {eager:.2f} us)  {gbps:7.0f} GB/s  {100 * gbps / COPY_GBPS:5.1f}%")
+        rows.append(dict(shape=name, variant="LAUNCHER", us=med, us_again=med2, us_eager=eager,
+                         gbps=gbps, pct=100 * gbps / COPY_GBPS))
+        del x, out
+        if kind == "fp16":
+            del ws
+        else:
+            del qws, scs
+        torch.cuda.empty_cache()
+    results["rows"] = rows
+    return rows
+
+
+def main():
+    global _log_file
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the log and json")
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--bench-only", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _log_file = open(out / "gemv_log.txt", "w")
+    if not torch.cuda.is_available():
+        sys.exit("gemv_harness: no CUDA device")
+    lib = Lib(build())
+    quant = load_quant()
+    commit = os.environ.get("GEMV_COMMIT", "unknown")
+    results = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+                   commit=commit, torch=torch.__version__)
+    log(f"device {results['device']}, {results['date']}, commit {commit}, torch {torch.__version__}")
+    bdir = Path(os.environ.get("GEMV_BUILD_DIR", "/tmp/nanoqwen_gemv_build"))
+    for f in bdir.glob("*.ptxas.txt"):
+        regs = [ln.strip() for ln in f.read_text().splitlines() if "registers" in ln or "spill" in ln]
+        (out / "ptxas.txt").open("a").write(f"{f.name}\n" + "\n".join(regs) + "\n")
+    fails = [] if args.bench_only else check(lib, quant)
+    results["fails"] = fails
+    rows = [] if args.check_only else bench(lib, results)
+    (out / "gemv_results.json").write_text(json.dumps(results, indent=1))
+    log("")
+    log(f"== summary ({results['device']}, {results['date']}, commit {commit}) ==")
+    log(f"correctness: {'ALL PASS' if not fails else f'{len(fails)} FAIL: ' + '; '.join(fails[:8])}")
+    if rows:
+        best = {}
+        for r in rows:
+            if r["variant"] != "LAUNCHER" and (r["shape"] not in best or r["us"] < best[r["shape"]]["us"]):
+                best[r["shape"]] = r
+        log(f"{'shape':<22} {'launcher us':>11} {'GB/s':>6} {'%4276':>6} | best variant")
+        for r in rows:
+            if r["variant"] == "LAUNCHER":
+                b = best[r["shape"]]
+                log(f"{r['shape']:<22} {r['us']:11.2f} {r['gbps']:6.0f} {r['pct']:5.1f}% | {b['variant']} {b['us']:.2f} us {b['pct']:.1f}%")
+    sys.exit(1 if fails else 0)
+
+
+if __name__ == "__main__":
+    main()
