@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,7 +24,7 @@ import torch
 
 from .config import ConfigError, ModelConfig
 from .errors import FormatError, NanoqwenError
-from .format import Progress, StderrProgress, expected_tensors, write_model
+from .format import Progress, expected_tensors, write_model
 from .quant import quantize
 
 FP16_MAX = 65504.0
@@ -32,6 +34,35 @@ INIT_STD = 0.02   # transformers' Qwen2 initializer_range
 QWEN_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 # generation_config.json keys that describe the file, not how to sample
 _GEN_DROP = ("transformers_version", "_from_model_config")
+
+
+class StderrProgress:
+    """A progress bar on stderr as a `Progress` callable: redrawn in place at most ~10 times a
+    second on a terminal, one line per 10% otherwise (logs stay short)."""
+
+    def __init__(self, title: str, stream=None):
+        self.title, self.stream = title, stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.t0, self.last, self.decile = time.monotonic(), 0.0, -1
+
+    def __call__(self, done: int, total: int, what: str = "") -> None:
+        now = time.monotonic()
+        frac = done / total if total else 1.0
+        line = (f"{self.title} {frac * 100:5.1f}% {done / 1e9:6.2f}/{total / 1e9:.2f} GB "
+                f"{now - self.t0:5.0f}s {what}")
+        if self.tty:
+            if now - self.last >= 0.1 or done >= total:
+                self.stream.write("\r" + line[:120].ljust(120))
+                self.last = now
+        elif int(frac * 10) > self.decile:
+            self.decile = int(frac * 10)
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 def quantize_rows(w: torch.Tensor, chunk: int = ROW_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:

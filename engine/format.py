@@ -18,13 +18,13 @@ tensor's bounds, alignment and non-overlap before it returns; tensor CRCs on `ve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
 import secrets
 import struct
 import sys
-import time
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -373,62 +373,22 @@ def write_model(path: str | os.PathLike, config: ModelConfig,
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        _unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise FormatError(f"cannot write {path}: {e.strerror or e}") from e
     except BaseException:
-        _unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
 
 
-def _unlink(p: Path) -> None:
-    try:
-        os.unlink(p)
-    except FileNotFoundError:
-        pass
-
-
 def _fsync_dir(d: Path) -> None:
     """Make the rename durable; not every filesystem lets a directory be opened."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-class StderrProgress:
-    """A progress bar on stderr as a `Progress` callable: redrawn in place at most ~10 times a
-    second on a terminal, one line per 10% otherwise (logs stay short)."""
-
-    def __init__(self, title: str, stream=None):
-        self.title, self.stream = title, stream or sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.t0, self.last, self.decile = time.monotonic(), 0.0, -1
-
-    def __call__(self, done: int, total: int, what: str = "") -> None:
-        now = time.monotonic()
-        frac = done / total if total else 1.0
-        line = (f"{self.title} {frac * 100:5.1f}% {done / 1e9:6.2f}/{total / 1e9:.2f} GB "
-                f"{now - self.t0:5.0f}s {what}")
-        if self.tty:
-            if now - self.last >= 0.1 or done >= total:
-                self.stream.write("\r" + line[:120].ljust(120))
-                self.last = now
-        elif int(frac * 10) > self.decile:
-            self.decile = int(frac * 10)
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def cli_info(args) -> int:
@@ -458,6 +418,7 @@ def cli_info(args) -> int:
         bpt = c.decode_bytes_per_token()
         print(f"decode reads per token: {bpt:,} bytes ({bpt / 1e9:.3f} GB) of weights")
         if args.verify:
+            from .convert import StderrProgress  # the converter's bar; imported only here
             bar = StderrProgress("verify")
             try:
                 mf.verify(progress=bar)
