@@ -119,12 +119,14 @@ def run_turn(backend, tokenizer, prompt_ids: Sequence[int], params, max_new_toke
                 last = ev.token_id
                 reply.ids.append(ev.token_id)
                 step_ms.append(ev.step_ms)
+                # Recorded before yielding, so a stream abandoned at either yield still
+                # leaves every token it showed in the reply text.
+                text = "" if ev.token_id in stop_ids else reply.detok.push(ev.token_id)
+                if text:
+                    reply.parts.append(text)
                 yield TokenIds((ev.token_id,), (ev.step_ms,))
-                if ev.token_id not in stop_ids:  # the end-of-turn marker is not reply text
-                    text = reply.detok.push(ev.token_id)
-                    if text:
-                        reply.parts.append(text)
-                        yield TextDelta(text)
+                if text:
+                    yield TextDelta(text)
         finally:
             steps.close()  # the backend's loop ends now, not whenever it is collected
     except Exception as e:  # noqa: BLE001 - reported to the consumer, cache stays consistent
