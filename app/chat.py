@@ -1,0 +1,336 @@
+"""The chat screen: message list, prompt, perf panel; one reply streaming at a time.
+
+A reply's life: `send` stores the user message and an empty assistant row, mounts the
+widgets and starts `_generate` in a thread worker. The worker iterates the bridge (which
+batches ~40 ms of text + the engine's timings per event) and forwards each event with
+`post_message`; `on_reply_event` writes the text to the store *before* handing it to the
+Markdown stream, so whatever is on screen is already on disk. Esc cancels through the
+bridge; the partial reply stays, marked "stopped".
+
+The message list is anchored to its end (Textual's `anchor()`): it follows the stream until
+the user scrolls up, and follows again once they scroll back down.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Label, Markdown, ProgressBar
+
+from .bridge import Batch, BridgeEvent, Failed, Finished, Note
+from .perf import ModelInfo, PerfPanel
+from .screens import ChatsScreen, ExportScreen
+from .widgets import ENTER_HINT, AssistantMessage, CodeFence, PromptInput, UserMessage
+
+# (binding, description in help/palette); the same list builds BINDINGS, the help screen
+# and the command palette, so none can drift from the others.
+CHAT_ACTIONS = [
+    ("escape", "stop", "Stop", "Stop the reply (the partial reply is kept)", True),
+    ("ctrl+r", "regenerate", "Regenerate", "Regenerate the last reply", True),
+    ("ctrl+n", "new_chat", "New chat", "Start a new chat", True),
+    ("ctrl+o", "past_chats", "Chats", "Open a past chat", True),
+    ("ctrl+b", "copy_code", "Copy code", "Copy the last code block (or click a block)", False),
+    ("ctrl+t", "export", "Export", "Export the chat to a Markdown file", False),
+    ("ctrl+g", "toggle_mode", "Graph/eager", "Toggle CUDA-graph / eager decode", True),
+    ("ctrl+s", "settings", "Settings", "Sampler, max tokens, system prompt, decode mode", True),
+    ("ctrl+l", "open_model", "Model", "Open another model file", False),
+]
+
+
+def _title(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else "chat"
+    return line[:60] + ("…" if len(line) > 60 else "")
+
+
+class ReplyEvent(Message):
+    """A bridge event for reply `gen_id`, posted from the generation worker."""
+
+    def __init__(self, gen_id: int, event: BridgeEvent) -> None:
+        super().__init__()
+        self.gen_id = gen_id
+        self.event = event
+
+
+@dataclass
+class _Streaming:
+    gen_id: int
+    msg_id: int
+    widget: AssistantMessage
+    stream: object          # textual MarkdownStream
+    text: str = ""
+
+
+class ChatScreen(Screen):
+    CSS_PATH = "chat.tcss"
+    BINDINGS = [Binding(key, action, short, show=show, priority=(key == "ctrl+s"))
+                for key, action, short, _, show in CHAT_ACTIONS]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chat_id: int | None = None
+        self.reply: _Streaming | None = None
+        self._gen = 0
+
+    # --- layout ------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="main"):
+            with Vertical(id="chat-col"):
+                with Vertical(id="loading"):
+                    yield Label("", id="loading-label")
+                    yield ProgressBar(id="loading-bar", show_eta=False)
+                yield VerticalScroll(id="messages")
+                yield PromptInput(id="prompt", placeholder=f"Message…  ({ENTER_HINT})",
+                                  show_line_numbers=False, compact=True)
+            yield PerfPanel(freeze_timing=self.app.freeze_perf, id="perf")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.app.chat = self
+        self.query_one("#messages").anchor()
+        self.query_one("#prompt").focus()
+        latest = self.app.store.latest_chat()
+        if latest is not None:
+            self.open_chat(latest)
+        self.app.chat_ready()
+
+    @property
+    def perf(self) -> PerfPanel:
+        return self.query_one("#perf", PerfPanel)
+
+    @property
+    def generating(self) -> bool:
+        return self.reply is not None
+
+    # --- model loading (driven by the app) ------------------------------------------------
+    def show_loading(self, path: Path) -> None:
+        self.query_one("#loading-label", Label).update(f"Loading {path} …")
+        self.query_one("#loading-bar", ProgressBar).update(total=None, progress=0)
+        self.query_one("#loading").add_class("-active")
+
+    def load_progress(self, done: int, total: int, what: str) -> None:
+        self.query_one("#loading-bar", ProgressBar).update(total=max(total, 1), progress=done)
+        if what:
+            self.query_one("#loading-label", Label).update(f"Loading … {what}")
+
+    def hide_loading(self) -> None:
+        self.query_one("#loading").remove_class("-active")
+
+    def model_ready(self, info: ModelInfo) -> None:
+        self.hide_loading()
+        self.perf.set_model(info)
+        self.sub_title = f"{info.model} · {info.backend}"
+        self._update_context()
+
+    # --- chats ---------------------------------------------------------------------------
+    def _history(self) -> list[dict]:
+        if self.chat_id is None:
+            return []
+        return [{"role": m.role, "content": m.content}
+                for m in self.app.store.messages(self.chat_id) if m.role != "system"]
+
+    def _update_context(self) -> None:
+        bridge = self.app.bridge
+        if bridge is None:
+            return
+        try:
+            n = bridge.count_tokens(self._history(), self.app.settings.system_prompt)
+        except Exception:  # noqa: BLE001 - a gauge must never take the screen down
+            return
+        self.perf.set_context(n)
+
+    def open_chat(self, chat_id: int | None) -> None:
+        """Show a stored chat (None: an empty new chat)."""
+        box = self.query_one("#messages", VerticalScroll)
+        box.remove_children()
+        self.chat_id = chat_id
+        if chat_id is not None:
+            widgets = []
+            for m in self.app.store.messages(chat_id):
+                if m.role == "user":
+                    widgets.append(UserMessage(m.content, m.id))
+                elif m.role == "assistant":
+                    widgets.append(AssistantMessage(m.content, m.id, m.finish))
+            box.mount_all(widgets)
+            self.app.title = f"nanoqwen-chat — {self.app.store.chat_title(chat_id)}"
+        else:
+            self.app.title = "nanoqwen-chat"
+        box.scroll_end(animate=False)
+        self._update_context()
+
+    # --- sending -------------------------------------------------------------------------
+    @on(PromptInput.Submitted)
+    async def _submitted(self, event: PromptInput.Submitted) -> None:
+        if await self.send(event.text):
+            self.query_one("#prompt", PromptInput).clear()
+
+    async def send(self, text: str) -> bool:
+        """Send a user message; False (with a notification) if it cannot go now."""
+        app = self.app
+        if not text.strip():
+            return False
+        if app.bridge is None:
+            self.notify("No model is loaded: ctrl+l opens one", severity="warning")
+            return False
+        if self.generating:
+            self.notify("A reply is still streaming: esc stops it", severity="warning")
+            return False
+        store = app.store
+        if self.chat_id is None:
+            self.chat_id = store.new_chat(_title(text), app.bridge.model.name)
+            app.title = f"nanoqwen-chat — {_title(text)}"
+        history = self._history()
+        msg_id = store.add_message(self.chat_id, "user", text)
+        await self.query_one("#messages").mount(UserMessage(text, msg_id))
+        await self._start_reply(history, text)
+        return True
+
+    async def _start_reply(self, history: list[dict], text: str) -> None:
+        app = self.app
+        msg_id = app.store.add_message(self.chat_id, "assistant", "", finish=None)
+        widget = AssistantMessage("", msg_id)
+        widget.set_finish(None, streaming=True)
+        box = self.query_one("#messages", VerticalScroll)
+        await box.mount(widget)
+        box.scroll_end(animate=False)   # a new turn follows the stream again
+        self._gen += 1
+        self.reply = _Streaming(self._gen, msg_id, widget, Markdown.get_stream(widget))
+        self.perf.start_reply()
+        s = app.settings
+        self._generate(self._gen, history, text, s.sampler_params(), s.max_new_tokens,
+                       s.system_prompt)
+
+    @work(thread=True, group="generate", exit_on_error=False)
+    def _generate(self, gen_id: int, history: list[dict], text: str, params,
+                  max_new_tokens: int, system_prompt: str) -> None:
+        # Runs off the event loop; the UI hears only batched events, by message.
+        try:
+            for ev in self.app.bridge.submit(history, text, params, max_new_tokens,
+                                             system_prompt):
+                self.post_message(ReplyEvent(gen_id, ev))
+        except Exception as e:  # noqa: BLE001 - the bridge should not raise; if it does, say so
+            self.post_message(ReplyEvent(gen_id, Failed(f"{type(e).__name__}: {e}", "engine")))
+
+    async def on_reply_event(self, m: ReplyEvent) -> None:
+        r = self.reply
+        if r is None or m.gen_id != r.gen_id:
+            return
+        ev = m.event
+        store = self.app.store
+        if isinstance(ev, Batch):
+            if ev.text:
+                r.text += ev.text
+                store.update_message(r.msg_id, r.text)   # on disk before it is on screen
+                await r.stream.write(ev.text)
+            if ev.stats is not None:
+                self.perf.record(ev.stats)
+        elif isinstance(ev, Note):
+            self.notify(ev.message, severity="warning", timeout=8)
+        elif isinstance(ev, (Finished, Failed)):
+            self.reply = None
+            stats = ev.stats.__dict__ if isinstance(ev, Finished) and ev.stats else None
+            if stats:
+                stats = {k: v for k, v in stats.items() if k != "step_ms"}
+                self.perf.record(ev.stats)
+            finish = ev.reason if isinstance(ev, Finished) else "error"
+            store.update_message(r.msg_id, r.text, finish=finish, stats=stats)
+            await r.stream.stop()
+            r.widget.set_finish(finish)
+            if isinstance(ev, Failed):
+                title = {"oom": "Out of memory", "context": "Context full"}.get(ev.kind,
+                                                                                "Engine error")
+                self.notify(ev.message, title=title, severity="error", timeout=15)
+            elif ev.reason == "context":
+                self.notify("The context is full: start a new chat (ctrl+n)",
+                            severity="warning", timeout=10)
+
+    # --- actions -------------------------------------------------------------------------
+    def action_stop(self) -> None:
+        if self.generating and self.app.bridge is not None:
+            self.app.bridge.cancel()
+
+    def _idle(self, what: str) -> bool:
+        if self.generating:
+            self.notify(f"Stop the reply first (esc) to {what}", severity="warning")
+            return False
+        return True
+
+    async def action_regenerate(self) -> None:
+        if not self._idle("regenerate") or self.chat_id is None:
+            return
+        if self.app.bridge is None:
+            self.notify("No model is loaded: ctrl+l opens one", severity="warning")
+            return
+        msgs = self.app.store.messages(self.chat_id)
+        users = [i for i, m in enumerate(msgs) if m.role == "user"]
+        if not users:
+            self.notify("There is no message to regenerate a reply for", severity="warning")
+            return
+        i = users[-1]
+        for m in msgs[i + 1:]:
+            self.app.store.delete_message(m.id)
+            for w in self.query(".message"):
+                if getattr(w, "msg_id", None) == m.id:
+                    await w.remove()
+        history = [{"role": m.role, "content": m.content} for m in msgs[:i]]
+        await self._start_reply(history, msgs[i].content)
+
+    def action_new_chat(self) -> None:
+        if self._idle("start a new chat"):
+            self.open_chat(None)
+            self.perf.start_reply()
+            self.query_one("#prompt").focus()
+
+    def action_past_chats(self) -> None:
+        if not self._idle("open another chat"):
+            return
+
+        def done(chat_id: int | None) -> None:
+            if chat_id is not None:
+                self.open_chat(chat_id)
+        self.app.push_screen(ChatsScreen(self.app.store.list_chats(), self.chat_id), done)
+
+    def action_copy_code(self) -> None:
+        fences = list(self.query(CodeFence))
+        if not fences:
+            self.notify("There is no code block in this chat", severity="warning")
+            return
+        self.app.copy_code(fences[-1].code)
+
+    def action_export(self) -> None:
+        if self.chat_id is None:
+            self.notify("Nothing to export yet", severity="warning")
+            return
+        chat_id = self.chat_id
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", self.app.store.chat_title(chat_id)).strip("-")
+        default = Path.cwd() / f"nanoqwen-{chat_id}-{slug[:40] or 'chat'}.md"
+
+        def done(path: str | None) -> None:
+            if path is None:
+                return
+            target = Path(path).expanduser()
+            try:
+                target.write_text(self.app.store.export_markdown(chat_id), encoding="utf-8")
+            except OSError as e:
+                self.notify(f"Could not write {target}: {e}", severity="error")
+                return
+            self.notify(f"Exported to {target}")
+        self.app.push_screen(ExportScreen(str(default)), done)
+
+    def action_toggle_mode(self) -> None:
+        self.app.toggle_mode()
+
+    def action_settings(self) -> None:
+        self.app.action_settings()
+
+    def action_open_model(self) -> None:
+        if self._idle("open another model"):
+            self.app.action_open_model()

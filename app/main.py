@@ -1,0 +1,264 @@
+"""`nanoqwen-chat`: the App (settings, history store, model loading, global actions, command
+palette) and the console entry point. The chat itself is app/chat.py.
+
+Model choice at start: --model, else the last model used (settings.last_model), else the
+engine's bundled model (`loader.default_model_path()`). Loading runs in a thread worker with a
+progress bar; a model that cannot be used opens the model screen with the reason (never a
+traceback) and the app stays up without a model until one loads.
+
+Test hooks (documented, used by tests/test_app*.py): `settings_path` / `db_path` put the
+settings and the history elsewhere (tests usually set XDG_CONFIG_HOME/XDG_DATA_HOME
+instead, which platformdirs honours); `freeze_perf=True` or NANOQWEN_FREEZE_PERF=1 shows
+"(frozen)" for the timing figures so SVG snapshots are deterministic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Iterable
+from functools import partial
+from pathlib import Path
+
+from textual import work
+from textual.app import App, SystemCommand
+from textual.binding import Binding
+from textual.message import Message
+from textual.screen import Screen
+
+from .bridge import EngineBridge
+from .chat import CHAT_ACTIONS, ChatScreen
+from .perf import ModelInfo
+from .screens import HelpScreen, ModelScreen, SettingsScreen
+from .settings import Settings, load_settings, save_settings
+from .store import ChatStore, StoreError
+from .widgets import ENTER_HINT
+
+LOAD_PROGRESS_INTERVAL = 0.05  # seconds between progress messages from the load worker
+
+
+class ModelLoaded(Message):
+    def __init__(self, bridge: EngineBridge) -> None:
+        super().__init__()
+        self.bridge = bridge
+
+
+class ModelFailed(Message):
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__()
+        self.path = path
+        self.reason = reason
+
+
+class LoadProgress(Message):
+    def __init__(self, done: int, total: int, what: str) -> None:
+        super().__init__()
+        self.done, self.total, self.what = done, total, what
+
+
+class NanoqwenApp(App[None]):
+    TITLE = "nanoqwen-chat"
+    BINDINGS = [Binding("f1", "help", "Help")]
+
+    def __init__(self, model: str | Path | None = None, backend: str = "auto",
+                 mode: str | None = None, settings_path: Path | None = None,
+                 db_path: Path | None = None, freeze_perf: bool | None = None) -> None:
+        super().__init__()
+        self.model_arg = Path(model) if model else None
+        self.backend_arg = backend
+        self.mode_arg = mode
+        self.settings_path = settings_path
+        self.db_path = db_path
+        self.freeze_perf = (os.environ.get("NANOQWEN_FREEZE_PERF") == "1"
+                            if freeze_perf is None else freeze_perf)
+        self.settings, self._settings_warning = load_settings(settings_path)
+        try:
+            self.store = ChatStore(db_path)
+            self._store_warning = None
+        except StoreError as e:
+            # Keep the app usable: chats of this run live in memory only.
+            self.store = ChatStore(":memory:")
+            self._store_warning = f"{e}. Chats of this session will not be saved."
+        self.bridge: EngineBridge | None = None
+        self.loading = False
+
+    # A mode (not get_default_screen) so Textual loads the screen's own CSS_PATH.
+    MODES = {"chat": ChatScreen}
+    DEFAULT_MODE = "chat"
+    chat: ChatScreen  # set by the chat screen when it mounts; it lives as long as the app
+
+    def chat_ready(self) -> None:
+        """Called by the chat screen once it is mounted (its widgets exist from then on)."""
+        for warning in (self._settings_warning, self._store_warning):
+            if warning:
+                self.notify(warning, severity="warning", timeout=12)
+        self.load_model(self.initial_model_path())
+
+    def initial_model_path(self) -> Path:
+        from nanoqwen.engine.loader import default_model_path
+
+        if self.model_arg is not None:
+            return self.model_arg
+        last = self.settings.last_model
+        if last and Path(last).exists():
+            return Path(last)
+        if last:
+            self.notify(f"The last model, {last}, is gone; opening the bundled one",
+                        severity="warning")
+        return default_model_path()
+
+    # --- model loading -----------------------------------------------------------------
+    def load_model(self, path: Path) -> None:
+        if self.loading:
+            self.notify("A model is already loading", severity="warning")
+            return
+        self.loading = True
+        self.chat.show_loading(path)
+        mode = self.mode_arg or self.settings.decode_mode
+        self._load(Path(path), self.backend_arg, mode)
+
+    @work(thread=True, group="load", exit_on_error=False)
+    def _load(self, path: Path, backend: str, mode: str) -> None:
+        last = 0.0
+
+        def progress(done: int, total: int, what: str = "") -> None:
+            nonlocal last
+            now = time.monotonic()
+            if now - last >= LOAD_PROGRESS_INTERVAL or done >= total:
+                last = now
+                self.post_message(LoadProgress(done, total, what))
+
+        from nanoqwen.engine.errors import NanoqwenError
+
+        try:
+            bridge = EngineBridge.open(path, backend=backend, mode=mode, progress=progress)
+        except NanoqwenError as e:
+            self.post_message(ModelFailed(path, str(e)))
+        except Exception as e:  # noqa: BLE001 - an unusable file must not become a traceback
+            self.post_message(ModelFailed(path, f"{type(e).__name__}: {e}"))
+        else:
+            self.post_message(ModelLoaded(bridge))
+
+    def on_load_progress(self, m: LoadProgress) -> None:
+        self.chat.load_progress(m.done, m.total, m.what)
+
+    def on_model_loaded(self, m: ModelLoaded) -> None:
+        self.loading = False
+        old, self.bridge = self.bridge, m.bridge
+        if old is not None:
+            old.close()
+        info = m.bridge.model
+        self.settings.last_model = str(info.path.resolve())
+        self._save_settings()
+        self.chat.model_ready(ModelInfo(info.backend, info.device, info.name, info.modes,
+                                        m.bridge.mode, info.max_context, info.fallback))
+        msg = f"{info.name} on the {info.backend} backend ({info.device})"
+        if info.fallback:
+            msg += f": {info.fallback}"
+        self.notify(msg, title="Model loaded")
+        if self.mode_arg:  # asked for on the command line: say it could not be had
+            for w in info.warnings:
+                self.notify(w, severity="warning")
+
+    def on_model_failed(self, m: ModelFailed) -> None:
+        self.loading = False
+        self.chat.hide_loading()
+        reason = (f"Could not use the model {m.path}:\n\n{m.reason}\n\n"
+                  "Pick another .nanoqwen file, or Cancel to continue without a model.")
+        self.push_screen(ModelScreen(str(m.path), reason), self._picked_model)
+
+    def _picked_model(self, path: str | None) -> None:
+        if path:
+            self.load_model(Path(path).expanduser())
+
+    def action_open_model(self) -> None:
+        current = str(self.bridge.model.path) if self.bridge else ""
+        self.push_screen(ModelScreen(current), self._picked_model)
+
+    # --- settings and decode mode ----------------------------------------------------------
+    def _save_settings(self) -> None:
+        try:
+            save_settings(self.settings, self.settings_path)
+        except OSError as e:
+            self.notify(f"Could not save the settings: {e}", severity="error")
+
+    def action_settings(self) -> None:
+        modes = self.bridge.model.modes if self.bridge else None
+        self.push_screen(SettingsScreen(self.settings, modes), self._settings_done)
+
+    def _settings_done(self, new: Settings | None) -> None:
+        if new is None:
+            return
+        new.last_model = self.settings.last_model
+        self.settings = new
+        self._save_settings()
+        if self.bridge is not None and new.decode_mode in self.bridge.model.modes:
+            self.bridge.set_mode(new.decode_mode)
+            self.chat.perf.set_mode(new.decode_mode)
+        self.notify("Saved; they apply from the next reply", title="Settings")
+
+    def toggle_mode(self) -> None:
+        b = self.bridge
+        if b is None:
+            self.notify("No model is loaded", severity="warning")
+            return
+        modes = b.model.modes
+        if len(modes) < 2:
+            # Nothing to switch: say so rather than flip a label.
+            self.notify(f"The {b.model.backend} backend has only {modes[0]} decode; "
+                        "CUDA-graph decode needs the CUDA backend (a GPU and the built "
+                        "extension).", title="Decode mode", severity="warning", timeout=8)
+            return
+        new = modes[(modes.index(b.mode) + 1) % len(modes)]
+        b.set_mode(new)   # read by the backend before each token: no reload
+        self.settings.decode_mode = new
+        self._save_settings()
+        self.chat.perf.set_mode(new)
+        self.notify(f"Decode mode: {new} (from the next token)", title="Decode mode")
+
+    # --- misc actions ------------------------------------------------------------------------
+    def copy_code(self, code: str) -> None:
+        self.copy_to_clipboard(code)
+        n = code.count("\n") + (0 if code.endswith("\n") else 1)
+        self.notify(f"Copied a code block ({n} lines) to the clipboard")
+
+    def key_bindings(self) -> list[tuple[str, str]]:
+        rows = [("enter", "Send the message"), ("shift+enter, ctrl+j", "New line in the prompt")]
+        rows += [(key, desc) for key, _, _, desc, _ in CHAT_ACTIONS]
+        rows += [("click a code block", "Copy it"), ("ctrl+p", "Command palette"),
+                 ("f1", "This help"), ("ctrl+q", "Quit")]
+        return rows
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.key_bindings()))
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        for _, action, short, desc, _ in CHAT_ACTIONS:
+            yield SystemCommand(short, desc, partial(self.chat.run_action, action))
+        yield SystemCommand("Help", "Show the key bindings", self.action_help)
+
+    def on_unmount(self) -> None:
+        if self.bridge is not None:
+            self.bridge.cancel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nanoqwen-chat",
+                                 description=f"Chat with a local Qwen2.5-Coder model. {ENTER_HINT}.")
+    ap.add_argument("--model", "-m", metavar="FILE", help="a .nanoqwen model "
+                    "(default: the last one used, else the bundled model)")
+    ap.add_argument("--backend", choices=["auto", "cuda", "reference"], default="auto",
+                    help="auto: CUDA when a GPU and the built extension are there")
+    ap.add_argument("--mode", choices=["graph", "eager"], default=None,
+                    help="decode mode to start in (default: the saved setting)")
+    args = ap.parse_args(argv)
+    NanoqwenApp(model=args.model, backend=args.backend, mode=args.mode).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

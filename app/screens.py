@@ -1,0 +1,229 @@
+"""The app's modal screens. Each returns its result with `dismiss` (ModalScreen[T]) and has
+its own .tcss file next to it:
+
+    SettingsScreen   -> Settings | None    sampler, reply length, system prompt, decode mode
+    HelpScreen       -> None               the key bindings, generated from the bindings
+    ModelScreen      -> str | None         model picker; opened with the reason when a model
+                                           cannot be used (the error screen of issue 4)
+    ExportScreen     -> str | None         where to write a chat as Markdown
+    ChatsScreen      -> int | None         past chats to reopen
+"""
+
+from __future__ import annotations
+
+import time
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import (Button, Input, Label, OptionList, Select, Static, Switch,
+                             TextArea)
+from textual.widgets.option_list import Option
+
+from .settings import DECODE_MODES, LABELS, Settings, SettingsError
+from .store import ChatSummary
+
+# Numeric fields in form order: (field, hint shown beside the input)
+_NUMBER_FIELDS = [
+    ("temperature", "> 0"),
+    ("top_k", "0 = off"),
+    ("top_p", "1 = off"),
+    ("min_p", "0 = off"),
+    ("repeat_penalty", "1 = off"),
+    ("repeat_last_n", "tokens; -1 = all"),
+    ("seed", "-1 = random"),
+    ("max_new_tokens", "per reply"),
+]
+
+
+class SettingsScreen(ModalScreen[Settings | None]):
+    """Edit the settings; Save validates every field and marks the bad ones in place."""
+
+    CSS_PATH = "settings.tcss"
+    BINDINGS = [
+        Binding("escape", "cancel", "Cancel"),
+        Binding("ctrl+s", "save", "Save", priority=True),
+    ]
+
+    def __init__(self, settings: Settings, modes: tuple[str, ...] | None = None) -> None:
+        super().__init__()
+        self.settings = settings
+        self.modes = modes  # what the loaded backend can do; None: no model loaded
+
+    def compose(self) -> ComposeResult:
+        s = self.settings
+        with Vertical(id="settings-dialog"):
+            yield Label("Settings", id="settings-title")
+            with VerticalScroll(id="settings-form"):
+                with Grid(id="settings-grid"):
+                    yield Label(LABELS["greedy"])
+                    yield Switch(value=s.greedy, id="greedy")
+                    yield Static("[dim]on: always the most likely token[/]",
+                                 classes="hint", id="greedy-error")
+                    for name, hint in _NUMBER_FIELDS:
+                        yield Label(LABELS[name])
+                        yield Input(str(getattr(s, name)), id=name, compact=True,
+                                    select_on_focus=False)
+                        yield Static(f"[dim]{hint}[/]", classes="hint", id=f"{name}-error")
+                    yield Label(LABELS["decode_mode"])
+                    yield Select([(m, m) for m in DECODE_MODES], value=s.decode_mode,
+                                 allow_blank=False, id="decode_mode", compact=True)
+                    yield Static(self._mode_hint(), classes="hint", id="decode_mode-error")
+                yield Label(LABELS["system_prompt"] + " [dim](empty: the model's default)[/]")
+                yield TextArea(s.system_prompt, id="system_prompt", compact=True)
+            yield Static("", id="settings-errors")
+            with Horizontal(id="settings-buttons"):
+                yield Button("Save", variant="primary", id="save", compact=True)
+                yield Button("Cancel", id="cancel", compact=True)
+            yield Static("[dim]ctrl+s save · esc cancel · applies to the next reply[/]",
+                         id="settings-footer")
+
+    def _mode_hint(self) -> str:
+        if self.modes is None:
+            return "[dim]no model loaded[/]"
+        if len(self.modes) == 1:
+            return f"[dim]this backend runs only {self.modes[0]}[/]"
+        return "[dim]graph: CUDA graphs[/]"
+
+    def form(self) -> dict:
+        f: dict = {name: self.query_one(f"#{name}", Input).value for name, _ in _NUMBER_FIELDS}
+        f["greedy"] = self.query_one("#greedy", Switch).value
+        f["decode_mode"] = self.query_one("#decode_mode", Select).value
+        f["system_prompt"] = self.query_one("#system_prompt", TextArea).text
+        return f
+
+    def action_save(self) -> None:
+        for w in self.query(".hint"):
+            w.remove_class("error")
+        try:
+            new = Settings.from_form(self.form(), base=self.settings)
+        except SettingsError as e:
+            for name, msg in e.errors.items():
+                hint = self.query_one(f"#{name}-error", Static)
+                hint.update(msg)
+                hint.add_class("error")
+            self.query_one("#settings-errors", Static).update(
+                f"[b]{len(e.errors)} setting(s) need fixing[/]: " + "; ".join(e.errors.values()))
+            self.notify(str(e), title="Invalid settings", severity="error")
+            return
+        self.dismiss(new)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+    @on(Button.Pressed, "#save")
+    def _save_pressed(self) -> None:
+        self.action_save()
+
+    @on(Button.Pressed, "#cancel")
+    def _cancel_pressed(self) -> None:
+        self.action_cancel()
+
+
+class HelpScreen(ModalScreen[None]):
+    """The key bindings, from the same list the app binds, so it cannot drift."""
+
+    CSS_PATH = "help.tcss"
+    BINDINGS = [Binding("escape,f1,q", "close", "Close")]
+
+    def __init__(self, bindings: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self.bindings = bindings
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="help-dialog"):
+            yield Label("Keys", id="help-title")
+            rows = "\n".join(f"[b]{key:<16}[/] {desc}" for key, desc in self.bindings)
+            yield Static(rows, id="help-keys")
+            yield Static("[dim]Every action is also in the command palette (ctrl+p). "
+                         "Click a code block to copy it. esc closes.[/]", id="help-footer")
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class _PathScreen(ModalScreen[str | None]):
+    """Ask for a file path; shared by the model picker and export."""
+
+    CSS_PATH = "path.tcss"
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    TITLE_TEXT = ""
+    OK_LABEL = "OK"
+
+    def __init__(self, path: str = "", message: str | None = None) -> None:
+        super().__init__()
+        self.initial = path
+        self.message = message
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="path-dialog"):
+            yield Label(self.TITLE_TEXT, id="path-title")
+            if self.message:
+                yield Static(self.message, id="path-message", markup=False)
+            yield Input(self.initial, placeholder="path to a file", id="path-input")
+            with Horizontal(id="path-buttons"):
+                yield Button(self.OK_LABEL, variant="primary", id="ok", compact=True)
+                yield Button("Cancel", id="cancel", compact=True)
+
+    def on_mount(self) -> None:
+        self.query_one("#path-input", Input).focus()
+
+    @on(Input.Submitted)
+    @on(Button.Pressed, "#ok")
+    def _ok(self) -> None:
+        path = self.query_one("#path-input", Input).value.strip()
+        if not path:
+            self.notify("Enter a file path", severity="warning")
+            return
+        self.dismiss(path)
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ModelScreen(_PathScreen):
+    """Pick a model file. With `message`, it is the error screen for a model that failed."""
+
+    TITLE_TEXT = "Open a model (.nanoqwen)"
+    OK_LABEL = "Load"
+
+
+class ExportScreen(_PathScreen):
+    TITLE_TEXT = "Export the chat as Markdown"
+    OK_LABEL = "Export"
+
+
+class ChatsScreen(ModalScreen[int | None]):
+    """Past chats, newest first; Enter reopens one."""
+
+    CSS_PATH = "chats.tcss"
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, chats: list[ChatSummary], current: int | None = None) -> None:
+        super().__init__()
+        self.chats = chats
+        self.current = current
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="chats-dialog"):
+            yield Label("Past chats", id="chats-title")
+            if not self.chats:
+                yield Static("No chats yet.", id="chats-empty")
+            options = []
+            for c in self.chats:
+                when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated))
+                mark = " [b](open)[/]" if c.id == self.current else ""
+                options.append(Option(f"{c.title}{mark}\n[dim]{when} · {c.n_messages} messages"
+                                      f" · {c.model}[/]", id=str(c.id)))
+            yield OptionList(*options, id="chats-list")
+            yield Static("[dim]enter open · esc close[/]", id="chats-footer")
+
+    @on(OptionList.OptionSelected)
+    def _selected(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(int(event.option.id))
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

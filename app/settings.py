@@ -1,0 +1,202 @@
+"""The app's settings: sampler, reply length, system prompt, decode mode, last model.
+
+Persisted as JSON in platformdirs' user_config_dir("nanoqwen")/settings.json, written
+atomically (temp file + rename) so a crash never leaves half a file. A file that cannot be
+read or holds invalid values does not stop the app: `load_settings` returns the defaults
+(keeping whatever fields were valid) and a warning that the app shows.
+
+Validation lives here, not in the screen, so the form and the file share one set of rules
+and messages; the messages use the labels the settings screen shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from nanoqwen.engine.sampling import SamplerError, SamplerParams
+
+DECODE_MODES = ("graph", "eager")
+MAX_NEW_TOKENS_LIMIT = 32768
+_DEFAULT_SAMPLER = SamplerParams()
+
+
+class SettingsError(ValueError):
+    """Invalid settings; `.errors` maps each bad field to a message naming its label."""
+
+    def __init__(self, errors: dict[str, str]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(errors.values()))
+
+
+# field -> label shown in the settings screen and used in messages
+LABELS = {
+    "greedy": "Greedy decoding",
+    "temperature": "Temperature",
+    "top_k": "Top-k",
+    "top_p": "Top-p",
+    "min_p": "Min-p",
+    "repeat_penalty": "Repetition penalty",
+    "repeat_last_n": "Penalty window",
+    "seed": "Seed",
+    "max_new_tokens": "Max new tokens",
+    "system_prompt": "System prompt",
+    "decode_mode": "Decode mode",
+}
+
+
+@dataclass
+class Settings:
+    greedy: bool = False
+    temperature: float = _DEFAULT_SAMPLER.temperature
+    top_k: int = _DEFAULT_SAMPLER.top_k
+    top_p: float = _DEFAULT_SAMPLER.top_p
+    min_p: float = _DEFAULT_SAMPLER.min_p
+    repeat_penalty: float = _DEFAULT_SAMPLER.repeat_penalty
+    repeat_last_n: int = _DEFAULT_SAMPLER.repeat_last_n
+    seed: int = _DEFAULT_SAMPLER.seed
+    max_new_tokens: int = 1024
+    system_prompt: str = ""          # empty: the model's chat template default
+    decode_mode: str = "graph"       # wanted mode; a backend without it runs its only mode
+    last_model: str | None = None    # the model to open next time
+
+    def validate(self) -> Settings:
+        """Raise SettingsError listing every bad field; return self when all are fine."""
+        errors: dict[str, str] = {}
+
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok and name not in errors:
+                errors[name] = f"{LABELS[name]} {rule} (got {getattr(self, name)!r})"
+
+        def real(x: Any) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        def integer(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        need(isinstance(self.greedy, bool), "greedy", "must be true or false")
+        need(real(self.temperature) and self.temperature > 0, "temperature",
+             "must be a number > 0 (switch on greedy decoding for temperature 0)")
+        need(integer(self.top_k) and self.top_k >= 0, "top_k",
+             "must be a whole number >= 0 (0 turns top-k off)")
+        need(real(self.top_p) and 0 < self.top_p <= 1, "top_p",
+             "must be a number in (0, 1] (1 turns top-p off)")
+        need(real(self.min_p) and 0 <= self.min_p <= 1, "min_p",
+             "must be a number in [0, 1] (0 turns min-p off)")
+        need(real(self.repeat_penalty) and self.repeat_penalty > 0, "repeat_penalty",
+             "must be a number > 0 (1 turns the penalty off)")
+        need(integer(self.repeat_last_n) and self.repeat_last_n >= -1, "repeat_last_n",
+             "must be a whole number >= -1 (0: off, -1: whole context)")
+        need(integer(self.seed) and -1 <= self.seed < 2**63, "seed",
+             "must be a whole number >= 0, or -1 for a fresh random seed each reply")
+        need(integer(self.max_new_tokens) and 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT,
+             "max_new_tokens", f"must be a whole number from 1 to {MAX_NEW_TOKENS_LIMIT}")
+        need(isinstance(self.system_prompt, str), "system_prompt", "must be text")
+        need(self.decode_mode in DECODE_MODES, "decode_mode",
+             f"must be one of {', '.join(DECODE_MODES)}")
+        if not errors:
+            try:  # the engine's own rules are the last word (they may be stricter)
+                self.sampler_params()
+            except SamplerError as e:
+                errors["temperature"] = f"Sampler settings rejected by the engine: {e}"
+        if errors:
+            raise SettingsError(errors)
+        return self
+
+    def sampler_params(self) -> SamplerParams:
+        """The engine's SamplerParams; greedy is temperature 0 (the engine's convention)."""
+        return SamplerParams(
+            temperature=0.0 if self.greedy else float(self.temperature),
+            top_k=self.top_k, top_p=float(self.top_p), min_p=float(self.min_p),
+            repeat_penalty=float(self.repeat_penalty), repeat_last_n=self.repeat_last_n,
+            seed=self.seed).validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # --- form input ---------------------------------------------------------------
+    @classmethod
+    def from_form(cls, form: dict[str, Any], base: Settings | None = None) -> Settings:
+        """Settings from the screen's raw values (numbers as typed strings).
+
+        Raises SettingsError with a message for every field that does not parse or is out
+        of range, so the screen can mark them all at once.
+        """
+        values = (base or cls()).to_dict()
+        errors: dict[str, str] = {}
+        for name, raw in form.items():
+            kind = _FIELD_TYPES[name]
+            if kind in (int, float) and isinstance(raw, str):
+                text = raw.strip()
+                try:
+                    values[name] = int(text) if kind is int else float(text)
+                except ValueError:
+                    what = "a whole number" if kind is int else "a number"
+                    errors[name] = f"{LABELS[name]} must be {what} (got {raw!r})"
+            else:
+                values[name] = raw
+        try:
+            settings = cls(**values).validate()
+        except SettingsError as e:
+            errors = {**e.errors, **errors}
+            settings = None
+        if errors:
+            raise SettingsError(errors)
+        assert settings is not None
+        return settings
+
+
+_FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(Settings)}
+_FIELD_TYPES = {k: {"int": int, "float": float}.get(v, v) if isinstance(v, str) else v
+                for k, v in _FIELD_TYPES.items()}
+
+
+def default_settings_path() -> Path:
+    # platformdirs honours XDG_CONFIG_HOME on Linux, which is how tests redirect it.
+    return Path(platformdirs.user_config_dir("nanoqwen")) / "settings.json"
+
+
+def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
+    """(settings, warning). Never raises for a bad file: the app must still start."""
+    path = path or default_settings_path()
+    if not path.exists():
+        return Settings(), None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError("the file does not hold a JSON object")
+    except (OSError, ValueError) as e:
+        return Settings(), f"Settings file {path} could not be read ({e}); using defaults"
+    known = {f.name for f in dataclasses.fields(Settings)}
+    values = {k: v for k, v in data.items() if k in known}
+    problems = [f"unknown key {k!r}" for k in sorted(set(data) - known)]
+    try:
+        return Settings(**values).validate(), ("; ".join(problems) or None) and \
+            f"Settings file {path}: ignored {', '.join(problems)}"
+    except SettingsError as e:
+        # Keep the valid fields; reset only the bad ones, and say which.
+        defaults = Settings()
+        for name in e.errors:
+            values[name] = getattr(defaults, name)
+        try:
+            settings = Settings(**values).validate()
+        except SettingsError:
+            settings = defaults
+        return settings, (f"Settings file {path}: {e}; "
+                          f"reset {', '.join(LABELS[n] for n in e.errors)} to the default")
+
+
+def save_settings(settings: Settings, path: Path | None = None) -> Path:
+    path = path or default_settings_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(settings.to_dict(), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
