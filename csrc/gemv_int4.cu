@@ -11,9 +11,12 @@
 // residual add is a plain read-modify-write). Lane l reads chunks l, l+32, l+64, ... of each row,
 // so every warp-wide load is 512 contiguous bytes; U chunks per row (x NM matrices x R rows) are
 // issued before any is used, to keep enough bytes in flight to cover DRAM latency. The 7B shapes
-// have n >= 3584 rows, i.e. >= 27 warps per SM, so whole-row warps already fill the chip; K is
-// never split. x (<= 54 KB) is read through the read-only path and stays L1-resident; weights
-// are loaded with L1::no_allocate so they do not evict it.
+// have n >= 3584 rows, i.e. >= 13 two-row warps per SM, so whole-row warps fill the chip; K is
+// never split. x is staged per block in shared memory, transposed to [4][k/32] 16-byte pieces, so
+// the warp's four reads of x per chunk are contiguous and conflict-free (reading it from L1 with
+// the chunk's 64-byte lane stride cost 16 L1 wavefronts per instruction and capped v1 at 20-50%
+// of bandwidth: GEMV_NOTES.md). Weights use L1::no_allocate; the first step's weight loads are
+// issued before the x staging so they overlap it.
 //
 // Accumulation (variant ACC, measured in benchmarks/GEMV_NOTES.md):
 //   ACC_H16W  q*x products summed in fp16 within one word (4 products per half lane, exact q),
@@ -119,14 +122,16 @@ __device__ __forceinline__ float chunk_dot(const uint4& wv, const half2 (&xh)[16
   }
 }
 
-template <int R, int U, int ACC, int OP>
+template <int R, int U, int ACC, int OP, bool XS>
 __global__ void __launch_bounds__(kThreads) gemv_int4_kernel(const Args a) {
   constexpr int NM = OP == OP_SILU ? 2 : 1;  // matrices read per output row
+  extern __shared__ uint4 xs[];              // XS: x transposed to [4][C] (16-byte pieces)
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * R;
-  if (row0 >= a.n) return;  // whole warp leaves together: no shuffle below is orphaned
-  const int C = a.k >> 5;       // 16-byte chunks per row
-  const int G = a.k >> 7;       // groups per row
+  const bool active = row0 < a.n;  // per warp: no shuffle below is orphaned
+  if (!XS && !active) return;
+  const int C = a.k >> 5;  // 16-byte chunks per row
+  const int G = a.k >> 7;  // groups per row
 
   const uint4* qrow[NM][R];
   const half* srow[NM][R];
@@ -149,10 +154,10 @@ __global__ void __launch_bounds__(kThreads) gemv_int4_kernel(const Args a) {
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
 
-  for (int c0 = lane; c0 < C; c0 += 32 * U) {
-    uint4 wv[U][NM][R];
-    half sv[U][NM][R];
-    // issue every weight and scale load of this step before the first use
+  uint4 wv[U][NM][R];
+  half sv[U][NM][R];
+  // issue every weight and scale load of one step before the first use
+  auto load_step = [&](int c0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;
@@ -166,6 +171,21 @@ __global__ void __launch_bounds__(kThreads) gemv_int4_kernel(const Args a) {
           }
       }
     }
+  };
+
+  int c0 = lane;
+  load_step(c0);  // the first step's weights are in flight while x is staged
+  if constexpr (XS) {
+    // Lane l needs x[32c .. 32c+31] for its chunk c: read straight from global that is four
+    // 16-byte loads with a 64-byte lane stride, 16 L1 lines per instruction, and it capped v1 at
+    // 20-50% of bandwidth. Transposed, piece j of chunk c sits at xs[j*C + c]: a warp's read of
+    // piece j is 512 contiguous bytes, conflict-free.
+    for (int i = threadIdx.x; i < 4 * C; i += kThreads) xs[(i & 3) * C + (i >> 2)] = __ldg(x4 + i);
+    __syncthreads();
+    if (!active) return;
+  }
+
+  while (c0 < C) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;
@@ -174,7 +194,7 @@ __global__ void __launch_bounds__(kThreads) gemv_int4_kernel(const Args a) {
         float2 xf[16];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const uint4 v = __ldg(x4 + 4 * c + j);
+          const uint4 v = XS ? xs[j * C + c] : __ldg(x4 + 4 * c + j);
           xh[4 * j + 0] = as_h2(v.x);
           xh[4 * j + 1] = as_h2(v.y);
           xh[4 * j + 2] = as_h2(v.z);
@@ -190,6 +210,8 @@ __global__ void __launch_bounds__(kThreads) gemv_int4_kernel(const Args a) {
           for (int r = 0; r < R; ++r) acc[m][r] += chunk_dot<ACC>(wv[u][m][r], xh, xf, sv[u][m][r]);
       }
     }
+    c0 += 32 * U;
+    load_step(c0);
   }
 
 #pragma unroll
@@ -243,17 +265,37 @@ __global__ void __launch_bounds__(256) dequant_int4_kernel(half* w, const uint4*
 }
 
 // ---- variants ---------------------------------------------------------------------------------
-template <int R, int U, int ACC>
-cudaError_t launch_int4(int op, const Args& a, cudaStream_t stream) {
+// x staged in shared memory needs k*2 bytes; the family's largest k (27648) needs 54 KB.
+constexpr int kMaxSmemBytes = 96 * 1024;
+
+template <int R, int U, int ACC, int OP, bool XS>
+cudaError_t launch_op(const Args& a, cudaStream_t stream) {
+  auto kern = gemv_int4_kernel<R, U, ACC, OP, XS>;
   const int warps = (a.n + R - 1) / R;
   const dim3 grid((warps + kWarps - 1) / kWarps), block(kThreads);
+  int smem = 0;
+  if constexpr (XS) {
+    // once per instantiation: allow > 48 KB of dynamic shared memory (not a stream operation,
+    // so it is also legal if the first call happens during graph capture)
+    static const cudaError_t attr =
+        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemBytes);
+    if (attr != cudaSuccess) return attr;
+    smem = a.k * 2;
+  }
+  kern<<<grid, block, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <int R, int U, int ACC, bool XS>
+cudaError_t launch_int4(int op, const Args& a, cudaStream_t stream) {
+  // k beyond the shared-memory limit (none in the Qwen2.5 family) falls back to x from L1
+  if (XS && a.k * 2 > kMaxSmemBytes) return launch_int4<R, U, ACC, false>(op, a, stream);
   switch (op) {
-    case OP_STORE: gemv_int4_kernel<R, U, ACC, OP_STORE><<<grid, block, 0, stream>>>(a); break;
-    case OP_RESID: gemv_int4_kernel<R, U, ACC, OP_RESID><<<grid, block, 0, stream>>>(a); break;
-    case OP_SILU: gemv_int4_kernel<R, U, ACC, OP_SILU><<<grid, block, 0, stream>>>(a); break;
+    case OP_STORE: return launch_op<R, U, ACC, OP_STORE, XS>(a, stream);
+    case OP_RESID: return launch_op<R, U, ACC, OP_RESID, XS>(a, stream);
+    case OP_SILU: return launch_op<R, U, ACC, OP_SILU, XS>(a, stream);
     default: return gemv_fail_("gemv_int4: op=%d is not 0 (store), 1 (residual) or 2 (silu_mul)", op);
   }
-  return cudaGetLastError();
 }
 
 struct Int4Variant {
@@ -263,13 +305,17 @@ struct Int4Variant {
 
 // Index 0 is what the engine's launchers use (chosen from the measurements in GEMV_NOTES.md).
 const Int4Variant kInt4Variants[] = {
-    {"R1_U4_h16word", launch_int4<1, 4, ACC_H16W>},
-    {"R1_U4_h16chunk", launch_int4<1, 4, ACC_H16C>},
-    {"R1_U4_f32", launch_int4<1, 4, ACC_F32>},
-    {"R2_U4_h16word", launch_int4<2, 4, ACC_H16W>},
-    {"R1_U8_h16word", launch_int4<1, 8, ACC_H16W>},
-    {"R2_U2_h16word", launch_int4<2, 2, ACC_H16W>},
-    {"R1_U2_h16word", launch_int4<1, 2, ACC_H16W>},
+    // x staged in shared memory, transposed (v2)
+    {"smem_R2_U2_h16word", launch_int4<2, 2, ACC_H16W, true>},
+    {"smem_R2_U2_f32", launch_int4<2, 2, ACC_F32, true>},
+    {"smem_R1_U2_h16word", launch_int4<1, 2, ACC_H16W, true>},
+    {"smem_R2_U4_h16word", launch_int4<2, 4, ACC_H16W, true>},
+    {"smem_R4_U2_h16word", launch_int4<4, 2, ACC_H16W, true>},
+    {"smem_R1_U4_f32", launch_int4<1, 4, ACC_F32, true>},
+    {"smem_R2_U2_h16chunk", launch_int4<2, 2, ACC_H16C, true>},
+    // x read from global through L1 with a 64-byte lane stride (v1)
+    {"L1_R2_U2_h16word", launch_int4<2, 2, ACC_H16W, false>},
+    {"L1_R1_U4_h16word", launch_int4<1, 4, ACC_H16W, false>},
 };
 constexpr int kNumInt4Variants = sizeof(kInt4Variants) / sizeof(kInt4Variants[0]);
 
