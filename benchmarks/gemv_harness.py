@@ -207,7 +207,7 @@ def check(lib: Lib, quant) -> list[str]:
     torch.cuda.synchronize()
 
     log("== correctness: every int4 variant x op ==")
-    for n, k in [(643, 3584), (5, 18944), (1, 896)]:
+    for n, k in [(643, 3584), (5, 18944), (1, 896), (29, 27648)]:
         qw, sc, w = rand_int4(quant, n, k, gen)
         qu, su, wu = rand_int4(quant, n, k, gen)
         for outlier in (False, True):
