@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +126,14 @@ class Backend:
         """
         from ..sampling import Sampler  # lazily: sampling.py is optional for forward-only use
 
+        new_tokens = self.prepare_generate(new_tokens, params, max_new_tokens)
+        return self._generate(new_tokens, Sampler(params), max_new_tokens,
+                              frozenset(stop_ids), cancel)
+
+    def prepare_generate(self, new_tokens: Sequence[int], params, max_new_tokens: int
+                         ) -> list[int]:
+        """The checks `generate` makes before any work (shared with overriding backends):
+        returns the tokens to prefill (the last cached one, uncached, when there are none)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
         params.validate()
@@ -135,9 +143,7 @@ class Backend:
                 raise ValueError("generate() needs new tokens or a cached prefix")
             new_tokens = [self.kv_tokens[-1]]
             self.truncate(len(self.kv_tokens) - 1)
-        new_tokens = self._checked(new_tokens)
-        return self._generate(new_tokens, Sampler(params), max_new_tokens,
-                              frozenset(stop_ids), cancel)
+        return self._checked(new_tokens)
 
     def _generate(self, new_tokens: list[int], sampler, max_new_tokens: int,
                   stop_ids: frozenset[int], cancel: threading.Event | None
@@ -159,3 +165,22 @@ class Backend:
                 return
             t0 = time.perf_counter()  # the consumer's time between steps is not counted
             logits = self.forward([token])
+
+
+class ModelFileTensors(Mapping):
+    """A ModelFile's tensors as a Mapping (name -> zero-copy CPU tensor), read one at a time
+    when indexed, so loading a backend never holds a second copy of the whole file."""
+
+    def __init__(self, mf) -> None:
+        self._mf = mf
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._mf.tensors:
+            raise KeyError(f"tensor {name!r} is missing from {self._mf.path}")
+        return self._mf.tensor(name)
+
+    def __iter__(self):
+        return iter(self._mf.tensors)
+
+    def __len__(self) -> int:
+        return len(self._mf.tensors)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..kv_cache import KVCache
 from ..quant import dequantize
-from .base import Backend
+from .base import Backend, ModelFileTensors
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -116,7 +116,7 @@ class ReferenceBackend(Backend):
                         progress: Callable[[int, int, str], None] | None = None
                         ) -> "ReferenceBackend":
         """From an open `format.ModelFile` (tensors are read lazily from its mmap)."""
-        return cls(mf.config, _LazyTensors(mf), device=device, dtype=dtype,
+        return cls(mf.config, ModelFileTensors(mf), device=device, dtype=dtype,
                    max_context=max_context, progress=progress)
 
     # --- weights ---------------------------------------------------------------------------
@@ -187,21 +187,3 @@ class ReferenceBackend(Backend):
         self.cache.length = pos0 + t
         logits = logits.float().cpu()
         return logits if all_logits else logits[0]
-
-
-class _LazyTensors(Mapping):
-    """A Mapping view of a ModelFile's tensors, read one at a time (never all at once)."""
-
-    def __init__(self, mf) -> None:
-        self._mf = mf
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._mf.tensors:
-            raise KeyError(f"tensor {name!r} is missing from {self._mf.path}")
-        return self._mf.tensor(name)
-
-    def __iter__(self):
-        return iter(self._mf.tensors)
-
-    def __len__(self) -> int:
-        return len(self._mf.tensors)
