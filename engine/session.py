@@ -202,7 +202,9 @@ class ChatSession:
         self.history = []
 
     def cancel(self) -> None:
-        """Stop the running turn at the next token (callable from any thread)."""
+        """Stop the running turn at the next token (callable from any thread). Called while
+        no turn runs, it stops the next one before it starts: a cancel that races the start
+        of a turn is never lost."""
         self._cancel.set()
 
     def generate(self, user_text: str, params, max_new_tokens: int = 512,
@@ -226,7 +228,10 @@ class ChatSession:
         user = {"role": "user", "content": user_text}
         prompt_ids, dropped = self._fit(base, user, max_new_tokens)
         params.validate()
-        self._cancel = cancel if cancel is not None else threading.Event()
+        if cancel is not None:
+            if self._cancel.is_set():  # a cancel() that came before this turn started
+                cancel.set()
+            self._cancel = cancel
         return self._stream(base, user, prompt_ids, dropped, params, max_new_tokens, self._cancel)
 
     def _stream(self, base, user, prompt_ids, dropped, params, max_new_tokens, cancel):
@@ -244,6 +249,7 @@ class ChatSession:
         finally:
             # Also on cancel, error or an abandoned stream: the partial reply is kept.
             self.history.append({"role": "assistant", "content": reply.text()})
+            self._cancel = threading.Event()  # this turn's cancel does not outlive it
 
     def _fit(self, base: list[dict], user: dict, max_new_tokens: int) -> tuple[list[int], int]:
         """Prompt ids of system + base[k:] + user for the smallest k (at a turn boundary)

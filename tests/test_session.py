@@ -256,3 +256,14 @@ def test_message_alone_too_long_raises_with_the_numbers(make, tiny_tokenizer):
                                                f"reply, and the context holds 64 tokens"):
         s.generate(long, GREEDY, 100)
     assert s.history == history and be.kv_tokens == cached
+
+
+def test_cancel_before_the_stream_starts_is_not_lost(make, tiny_tokenizer):
+    # The app creates a session, then iterates in a worker; Esc may land in between.
+    s = ChatSession(make(), tiny_tokenizer, system_prompt=SYSTEM)
+    stream = s.generate(USERS[0], GREEDY, 50)
+    s.cancel()
+    ids, _, _, done, _ = run(stream)
+    assert ids == [] and done == Done("cancelled") and s.history[-1]["content"] == ""
+    ids, *_ = run(s.generate(USERS[1], GREEDY, 5))  # the cancel was for that turn only
+    assert len(ids) == 5
