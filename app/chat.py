@@ -70,7 +70,7 @@ class _Streaming:
 
 class ChatScreen(Screen):
     CSS_PATH = "chat.tcss"
-    BINDINGS = [Binding(key, action, short, show=show, priority=(key == "ctrl+s"))
+    BINDINGS = [Binding(key, action, short, show=show)
                 for key, action, short, _, show in CHAT_ACTIONS]
 
     def __init__(self) -> None:

@@ -1,0 +1,379 @@
+"""nanoqwen-chat driven for real: the App under `run_test()`, the tiny random-weight model
+(tests/helpers.py, a real BPE tokenizer) on the reference backend, the real store and
+settings files (redirected to tmp dirs with XDG_CONFIG_HOME / XDG_DATA_HOME). No mock engine.
+
+Replies use greedy decoding so a reply can be compared with a direct ChatSession run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nanoqwen.app.bridge import BATCH_SECONDS, Batch, EngineBridge, Finished
+from nanoqwen.app.chat import CHAT_ACTIONS
+from nanoqwen.app.main import NanoqwenApp
+from nanoqwen.app.screens import ChatsScreen, ExportScreen, HelpScreen, ModelScreen, SettingsScreen
+from nanoqwen.app.settings import Settings, default_settings_path, load_settings, save_settings
+from nanoqwen.app.store import ChatStore
+from nanoqwen.app.widgets import AssistantMessage, CodeFence, PromptInput, UserMessage
+from nanoqwen.engine import loader
+from nanoqwen.engine.sampling import SamplerParams
+from nanoqwen.engine.session import ChatSession, TextDelta
+
+SIZE = (110, 32)
+
+
+def aio(fn):
+    """Run an async test with asyncio.run (no pytest-asyncio dependency); pytest still sees
+    the fixtures in the wrapped signature."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+    return run
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    """Settings and history in tmp dirs (platformdirs honours the XDG variables)."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.delenv("NANOQWEN_FREEZE_PERF", raising=False)
+    return tmp_path
+
+
+def use_settings(**kw) -> Settings:
+    s = Settings(**{"greedy": True, "max_new_tokens": 24, **kw})
+    save_settings(s)
+    return s
+
+
+async def wait_for(pilot, cond, timeout: float = 60.0, what: str = "condition") -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await pilot.pause(0.02)
+
+
+async def loaded(app, pilot) -> None:
+    await wait_for(pilot, lambda: app.bridge is not None, what="the model to load")
+
+
+async def send(app, pilot, text: str | None) -> AssistantMessage:
+    """Put `text` in the prompt (None: keep what was typed) and press Enter; the reply's
+    widget (the reply may already have finished: the tiny model is fast)."""
+    n = len(app.chat.query(AssistantMessage))
+    if text is not None:
+        app.chat.query_one("#prompt", PromptInput).text = text
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: len(app.chat.query(AssistantMessage)) > n, 10,
+                   "the reply to start")
+    return app.chat.query(AssistantMessage).last()
+
+
+async def reply_done(app, pilot, timeout: float = 90.0) -> None:
+    await wait_for(pilot, lambda: not app.chat.generating, timeout, "the reply to finish")
+    await pilot.pause(0.05)
+
+
+def notes(app) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+def greedy_reply(model_path: Path, history: list[dict], text: str, n: int) -> str:
+    """The same turn straight through the engine, no app in between."""
+    eng = loader.load(model_path, backend="reference")
+    s = ChatSession(eng.backend, eng.tokenizer, messages=history)
+    out = "".join(e.text for e in s.generate(text, SamplerParams.greedy_params(), n)
+                  if isinstance(e, TextDelta))
+    eng.close()
+    return out
+
+
+# --- streaming ---------------------------------------------------------------------------
+@aio
+async def test_prompt_streams_a_reply_that_matches_the_engine(dirs, tiny_model_path):
+    n = 500
+    use_settings(max_new_tokens=n)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        assert app.chat.perf.info.backend == "reference"
+        await pilot.press(*"def add")
+        widget = await send(app, pilot, None)
+        seen = set()
+        while app.chat.generating:   # what the Markdown widget shows while it streams
+            seen.add(widget.source)
+            await pilot.pause(0.01)
+        await reply_done(app, pilot)
+        final = widget.source
+        expected = greedy_reply(tiny_model_path, [], "def add", n)
+        assert final == expected and final
+        partial = [s for s in seen if s and s != final]
+        assert partial, "the reply appeared only at the end, not streamed"
+        assert all(final.startswith(s) for s in seen)
+        chat = app.chat.chat_id
+        msgs = app.store.messages(chat)
+        assert [(m.role, m.content) for m in msgs] == [("user", "def add"), ("assistant", final)]
+        assert msgs[1].finish == "length" and msgs[1].stats["n_generated"] == n
+        perf = app.chat.perf
+        # figures are the engine's (StepEvent timings), present once a reply ran
+        assert perf.ttft_ms > 0 and perf.median_ms > 0 and len(perf.steps_ms) == n - 1
+        assert perf.kv_len == msgs[1].stats["kv_len"] > n
+        assert app.chat.query_one("#prompt", PromptInput).text == ""
+
+
+def test_bridge_batches_text_every_40ms_not_per_token(tiny_model_path):
+    bridge = EngineBridge.open(tiny_model_path, backend="reference")
+    times, n_text = [], 0
+    for ev in bridge.submit([], "hello", SamplerParams.greedy_params(), 80):
+        if isinstance(ev, Batch):
+            times.append(time.perf_counter())
+            n_text += bool(ev.text)
+        last = ev
+    assert isinstance(last, Finished) and last.stats.n_generated == 80
+    gaps = [b - a for a, b in zip(times, times[1:-1])]  # the closing flush may come early
+    # each batch waits for the engine's next event after the window, so no gap is shorter
+    assert min(gaps) >= BATCH_SECONDS * 0.95
+    assert len(times) <= 80
+
+
+@aio
+async def test_esc_stops_keeps_partial_reply_and_keys_work_while_streaming(dirs, tiny_model_path):
+    use_settings(max_new_tokens=3000)
+    store = ChatStore()   # a long earlier chat, so the message list overflows and scrolls
+    chat = store.new_chat("long", "tiny")
+    for i in range(8):
+        store.add_message(chat, "user", f"question {i}")
+        store.add_message(chat, "assistant", f"answer {i}\n\n" + "lorem ipsum " * 30, "stop")
+    store.close()
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        box = app.chat.query_one("#messages")
+        await send(app, pilot, "go on")
+        r = app.chat.reply
+        await wait_for(pilot, lambda: len(r.text) > 20, 30, "some streamed text")
+        # keys work while the reply streams: type into the prompt, Ctrl+J adds a newline
+        await pilot.press("a", "b", "ctrl+j", "c")
+        assert app.chat.query_one("#prompt", PromptInput).text == "ab\nc"
+        assert app.chat.generating
+        # the view follows the stream ...
+        await wait_for(pilot, lambda: box.scroll_y == box.max_scroll_y > 0, 10, "following")
+        # ... until the user scrolls up to read; then it stays where they are
+        box.scroll_home(animate=False)
+        await pilot.pause(0.2)
+        n = len(r.text)
+        await wait_for(pilot, lambda: len(r.text) > n + 10, 30, "more text")
+        assert box.scroll_y < box.max_scroll_y - 5
+        await pilot.press("escape")
+        await reply_done(app, pilot)
+        m = app.store.messages(app.chat.chat_id)[-1]
+        assert m.role == "assistant" and m.finish == "cancelled"
+        assert m.content == r.widget.source == r.text and len(m.content) > 20
+        assert r.widget.border_subtitle == "stopped"
+        # the session is usable after a stop: the next message gets a reply
+        app.settings.max_new_tokens = 5
+        await send(app, pilot, "next")
+        await reply_done(app, pilot)
+        assert app.store.messages(app.chat.chat_id)[-1].finish == "length"
+
+
+@aio
+async def test_toggle_decode_mode_on_reference_says_there_is_only_eager(dirs, tiny_model_path):
+    use_settings()
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        await pilot.press("ctrl+g")
+        await pilot.pause()
+        assert app.bridge.mode == "eager"
+        assert any("only eager decode" in n for n in notes(app))
+        assert "(only mode here)" in str(app.chat.query_one("#perf-mode").render())
+        # a reply runs in the mode the perf panel names
+        await send(app, pilot, "hi")
+        await reply_done(app, pilot)
+        assert app.chat.perf.last.mode == "eager"
+
+
+@aio
+async def test_sampler_setting_survives_a_restart(dirs, tiny_model_path):
+    use_settings()
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        bridge = app.bridge
+        await pilot.press("ctrl+s")
+        assert isinstance(app.screen, SettingsScreen)
+        for name, value in (("top_k", "7"), ("temperature", "0.5")):
+            field = app.screen.query_one(f"#{name}")
+            field.value = ""
+            field.focus()
+            await pilot.press(*value)
+        await pilot.click("#greedy")     # sampling instead of greedy
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert not isinstance(app.screen, SettingsScreen)
+        assert app.bridge is bridge       # applied without reloading the model
+        assert app.settings.sampler_params() == SamplerParams(temperature=0.5, top_k=7)
+    on_disk = json.loads(default_settings_path().read_text())
+    assert (on_disk["top_k"], on_disk["temperature"], on_disk["greedy"]) == (7, 0.5, False)
+
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        assert (app.settings.top_k, app.settings.temperature) == (7, 0.5)
+        await pilot.press("ctrl+s")
+        assert app.screen.query_one("#top_k").value == "7"
+
+
+@aio
+async def test_invalid_settings_are_rejected_with_a_message(dirs, tiny_model_path):
+    use_settings(top_p=0.9)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        await pilot.press("ctrl+s")
+        app.screen.query_one("#top_p").value = "1.7"
+        app.screen.query_one("#seed").value = "many"
+        await pilot.click("#save")
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, SettingsScreen)   # still open: nothing was saved
+        top_p = str(screen.query_one("#top_p-error").render())
+        assert "Top-p must be a number in (0, 1]" in top_p
+        assert "Seed must be a whole number" in str(screen.query_one("#seed-error").render())
+        assert "2 setting(s) need fixing" in str(screen.query_one("#settings-errors").render())
+        await pilot.press("escape")
+        assert app.settings.top_p == 0.9
+    assert load_settings()[0].top_p == 0.9
+
+
+@aio
+async def test_history_is_there_after_a_restart(dirs, tiny_model_path):
+    use_settings(max_new_tokens=12)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        await send(app, pilot, "remember me")
+        await reply_done(app, pilot)
+        reply = app.chat.query(AssistantMessage).last().source
+    app = NanoqwenApp()   # no --model: the last model used
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        assert app.bridge.model.path == Path(tiny_model_path).resolve()
+        users = [w.render().plain for w in app.chat.query(UserMessage)]
+        assert users == ["remember me"]
+        assert [w.source for w in app.chat.query(AssistantMessage)] == [reply]
+        assert app.chat.perf.kv_len > 0   # the reopened chat's size in tokens
+
+
+DRIVER = r"""
+import asyncio, sys
+from nanoqwen.app.main import NanoqwenApp
+
+async def main():
+    app = NanoqwenApp(model=sys.argv[1])
+    async with app.run_test(size=(100, 30)) as pilot:
+        while app.bridge is None:
+            await pilot.pause(0.05)
+        await pilot.press(*"tell me everything", "enter")
+        print("sent", flush=True)
+        while True:
+            await pilot.pause(0.1)
+
+asyncio.run(main())
+"""
+
+
+@aio
+async def test_killed_mid_reply_keeps_what_was_shown(dirs, tiny_model_path):
+    use_settings(max_new_tokens=4000)
+    db = dirs / "data" / "nanoqwen" / "history.sqlite3"
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tiny_model_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen = None
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 90 and proc.poll() is None:
+            if db.exists():
+                con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+                try:
+                    row = con.execute("SELECT content FROM messages WHERE role = 'assistant' "
+                                      "AND finish IS NULL").fetchone()
+                except sqlite3.OperationalError:   # schema not created yet
+                    row = None
+                con.close()
+                if row and len(row[0]) > 30:
+                    seen = row[0]
+                    break
+            await asyncio.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out, err = proc.communicate(timeout=30)
+    assert seen is not None, f"no reply streamed; driver said: {out!r} {err[-2000:]!r}"
+    assert proc.returncode == -signal.SIGKILL
+
+    store = ChatStore(db)
+    msgs = store.messages(store.latest_chat())
+    assert [m.role for m in msgs] == ["user", "assistant"]
+    assert msgs[1].finish is None and msgs[1].content.startswith(seen)
+    store.close()
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        shown = app.chat.query(AssistantMessage).last()
+        assert shown.source == msgs[1].content
+        assert "interrupted" in shown.border_subtitle
+
+
+@aio
+async def test_corrupt_model_opens_the_error_screen_then_the_picker_loads_one(
+        dirs, tiny_model_path):
+    use_settings()
+    bad = dirs / "broken.nanoqwen"
+    bad.write_bytes(b"\x00garbage" * 1000)
+    app = NanoqwenApp(model=bad)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, ModelScreen), 30, "the error screen")
+        msg = str(app.screen.query_one("#path-message").render())
+        assert "Could not use the model" in msg and str(bad) in msg
+        assert app.bridge is None
+        field = app.screen.query_one("#path-input")
+        field.value = str(tiny_model_path)
+        field.focus()
+        await pilot.press("enter")
+        await loaded(app, pilot)
+        assert not isinstance(app.screen, ModelScreen)
+
+
+@aio
+async def test_missing_model_says_so(dirs):
+    use_settings()
+    app = NanoqwenApp(model=dirs / "nowhere.nanoqwen")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, ModelScreen), 30, "the error screen")
+        assert "does not exist" in str(app.screen.query_one("#path-message").render())
+        await pilot.press("escape")   # continue without a model: the app stays up
+        await send_without_model(app, pilot)
+
+
+async def send_without_model(app, pilot) -> None:
+    app.chat.query_one("#prompt", PromptInput).text = "hello?"
+    await pilot.press("enter")
+    await pilot.pause()
+    assert any("No model is loaded" in n for n in notes(app))
+    assert not app.chat.generating

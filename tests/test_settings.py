@@ -1,0 +1,97 @@
+"""App settings: validation messages, the form parser, persistence, conversion to SamplerParams."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nanoqwen.app.settings import (Settings, SettingsError, default_settings_path, load_settings,
+                                   save_settings)
+from nanoqwen.engine.sampling import SamplerParams
+
+
+def test_defaults_are_valid_and_match_the_engine_defaults():
+    s = Settings().validate()
+    assert s.sampler_params() == SamplerParams()
+
+
+def test_greedy_means_temperature_zero_for_the_engine():
+    p = Settings(greedy=True, temperature=0.7).sampler_params()
+    assert p.greedy and p.temperature == 0.0
+
+
+def test_round_trip_through_the_config_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    assert default_settings_path() == tmp_path / "nanoqwen" / "settings.json"
+    s = Settings(temperature=0.3, top_k=5, seed=42, system_prompt="Be terse.",
+                 decode_mode="eager", last_model="/m/x.nanoqwen")
+    save_settings(s)
+    loaded, warning = load_settings()
+    assert warning is None and loaded == s
+
+
+def test_missing_file_gives_defaults_silently(tmp_path):
+    assert load_settings(tmp_path / "none.json") == (Settings(), None)
+
+
+@pytest.mark.parametrize("form, field, words", [
+    ({"temperature": "abc"}, "temperature", "Temperature must be a number (got 'abc')"),
+    ({"temperature": "0"}, "temperature", "switch on greedy decoding"),
+    ({"top_k": "2.5"}, "top_k", "Top-k must be a whole number"),
+    ({"top_k": "-3"}, "top_k", "Top-k must be a whole number >= 0"),
+    ({"top_p": "1.5"}, "top_p", "Top-p must be a number in (0, 1]"),
+    ({"min_p": "-0.1"}, "min_p", "Min-p must be a number in [0, 1]"),
+    ({"repeat_penalty": "0"}, "repeat_penalty", "Repetition penalty must be a number > 0"),
+    ({"repeat_last_n": "-2"}, "repeat_last_n", "Penalty window must be a whole number >= -1"),
+    ({"seed": "-5"}, "seed", "Seed must be a whole number >= 0, or -1"),
+    ({"max_new_tokens": "0"}, "max_new_tokens", "Max new tokens must be a whole number from 1"),
+    ({"decode_mode": "turbo"}, "decode_mode", "Decode mode must be one of graph, eager"),
+    ({"temperature": "nan"}, "temperature", "Temperature must be a number > 0"),
+])
+def test_invalid_form_values_are_rejected_with_a_message(form, field, words):
+    with pytest.raises(SettingsError) as e:
+        Settings.from_form(form)
+    assert field in e.value.errors
+    assert words in e.value.errors[field]
+
+
+def test_every_bad_field_is_reported_at_once():
+    with pytest.raises(SettingsError) as e:
+        Settings.from_form({"top_k": "x", "top_p": "2", "seed": "", "temperature": "0.5"})
+    assert set(e.value.errors) == {"top_k", "top_p", "seed"}
+
+
+def test_form_keeps_fields_it_does_not_mention():
+    base = Settings(system_prompt="keep me", last_model="m")
+    s = Settings.from_form({"temperature": " 0.25 ", "greedy": True}, base=base)
+    assert (s.temperature, s.greedy, s.system_prompt, s.last_model) == (0.25, True, "keep me", "m")
+
+
+def test_unreadable_file_falls_back_to_defaults_with_a_warning(tmp_path):
+    p = tmp_path / "settings.json"
+    p.write_text("{not json")
+    s, warning = load_settings(p)
+    assert s == Settings() and "could not be read" in warning and str(p) in warning
+
+
+def test_bad_values_in_file_are_reset_one_by_one(tmp_path):
+    p = tmp_path / "settings.json"
+    p.write_text(json.dumps({"temperature": -1, "top_k": 7, "bogus": 1}))
+    s, warning = load_settings(p)
+    assert s.top_k == 7 and s.temperature == Settings().temperature
+    assert "Temperature" in warning and "reset Temperature to the default" in warning
+
+
+def test_unknown_keys_are_ignored_with_a_warning(tmp_path):
+    p = tmp_path / "settings.json"
+    p.write_text(json.dumps({"top_k": 3, "bogus": 1}))
+    s, warning = load_settings(p)
+    assert s.top_k == 3 and "unknown key 'bogus'" in warning
+
+
+def test_save_is_atomic_and_readable(tmp_path):
+    p = tmp_path / "sub" / "settings.json"
+    save_settings(Settings(top_k=9), p)
+    assert json.loads(p.read_text())["top_k"] == 9
+    assert [f.name for f in p.parent.iterdir()] == ["settings.json"]  # no temp file left
