@@ -6,7 +6,6 @@ statement of llama.cpp's order of operations."""
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -264,25 +263,6 @@ def test_chi_square_matches_intended_distribution(params, kept, N):
     chi2 = sum((counts[i] - N * expected[i]) ** 2 / (N * expected[i]) for i in support)
     df = len(support) - 1
     assert chi2 < CHI2_CRIT_P001[df], (chi2, df, counts, expected)
-
-
-def test_speed_full_vocabulary():
-    # The sampler runs once per decoded token on the CPU fallback path; the target is well
-    # under 5 ms for the 152k vocabulary (0.5-2.6 ms measured on an idle 2-core machine).
-    # The fastest of 15 runs is compared with a loose 10 ms: the minimum is what the code
-    # costs, the other runs mostly measure whoever else shares the CPU.
-    logits = torch.randn(152064, generator=torch.Generator().manual_seed(4)) * 3
-    history = list(range(0, 64 * 97, 97))
-    for params in (SamplerParams(seed=0, repeat_penalty=1.1),
-                   SamplerParams(seed=0, top_k=0, min_p=0.0, top_p=0.95)):
-        s = Sampler(params)
-        s.sample(logits, history)
-        times = []
-        for _ in range(15):
-            t = time.perf_counter()
-            s.sample(logits, history)
-            times.append(time.perf_counter() - t)
-        assert min(times) < 0.010, (params, times)
 
 
 def test_rejects_bad_logits_shape():
