@@ -1,0 +1,83 @@
+// Embedding gather (fp16 table row -> fp32 residual) and RMSNorm (fp32 residual -> fp16).
+//
+// The residual add that HF writes before each norm happens in the o/down GEMV epilogue
+// (gemv_int4_residual accumulates into the fp32 `hidden`), so the norm here only reads.
+// Both kernels take T rows (T = 1 in decode, a prefill chunk otherwise); H is a multiple of
+// 128 (config.py checks it), so rows are 16-byte aligned and vector loads are safe.
+#include "common.cuh"
+#include "kernels.h"
+
+namespace nanoqwen {
+
+__global__ void embed_gather_kernel(float* __restrict__ hidden, const half* __restrict__ table,
+                                    const int32_t* __restrict__ ids, int H, int vocab) {
+  const int t = blockIdx.x;
+  int id = ids[t];
+  id = id < 0 ? 0 : (id >= vocab ? vocab - 1 : id);
+  // 8 halves (16 bytes) in, 8 floats (32 bytes) out per step
+  const uint4* src = reinterpret_cast<const uint4*>(table + (size_t)id * H);
+  float4* dst = reinterpret_cast<float4*>(hidden + (size_t)t * H);
+  for (int i = threadIdx.x; i < H / 8; i += blockDim.x) {
+    uint4 u = src[i];
+    const half2* h = reinterpret_cast<const half2*>(&u);
+    float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
+    float2 c = __half22float2(h[2]), d = __half22float2(h[3]);
+    dst[2 * i] = make_float4(a.x, a.y, b.x, b.y);
+    dst[2 * i + 1] = make_float4(c.x, c.y, d.x, d.y);
+  }
+}
+
+cudaError_t embed_gather(float* hidden, const half* table, const int32_t* ids, int T, int H,
+                         int vocab, cudaStream_t stream) {
+  if (T <= 0) return cudaSuccess;
+  if (H % 8) return cudaErrorInvalidValue;
+  embed_gather_kernel<<<T, 256, 0, stream>>>(hidden, table, ids, H, vocab);
+  return cudaGetLastError();
+}
+
+// One block per row. Each thread keeps its slice of the row in registers between the
+// sum-of-squares pass and the scaling pass (H <= 8192 fits: 512 threads x 4 x kMaxVec).
+constexpr int kNormThreads = 512;
+constexpr int kMaxVec = 4;  // float4s per thread: H <= 512 * 4 * 4 = 8192
+
+__global__ void __launch_bounds__(kNormThreads)
+rmsnorm_kernel(half* __restrict__ out, const float* __restrict__ hidden,
+               const half* __restrict__ weight, int H, float eps) {
+  __shared__ float scratch[32];
+  const int t = blockIdx.x;
+  const float4* x4 = reinterpret_cast<const float4*>(hidden + (size_t)t * H);
+  const int n4 = H / 4;
+  float4 v[kMaxVec];
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < kMaxVec; ++j) {
+    const int i = threadIdx.x + j * kNormThreads;
+    if (i < n4) {
+      v[j] = x4[i];
+      ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+    }
+  }
+  ss = block_sum(ss, scratch);
+  const float r = rsqrtf(ss / (float)H + eps);
+  const half2* w2 = reinterpret_cast<const half2*>(weight);
+  half2* o2 = reinterpret_cast<half2*>(out + (size_t)t * H);
+#pragma unroll
+  for (int j = 0; j < kMaxVec; ++j) {
+    const int i = threadIdx.x + j * kNormThreads;
+    if (i < n4) {
+      float2 wa = __half22float2(w2[2 * i]), wb = __half22float2(w2[2 * i + 1]);
+      o2[2 * i] = __floats2half2_rn(wa.x * (v[j].x * r), wa.y * (v[j].y * r));
+      o2[2 * i + 1] = __floats2half2_rn(wb.x * (v[j].z * r), wb.y * (v[j].w * r));
+    }
+  }
+}
+
+cudaError_t rmsnorm(half* out, const float* hidden, const half* weight, int T, int H, float eps,
+                    cudaStream_t stream) {
+  if (T <= 0) return cudaSuccess;
+  if (H % 4 || H > kNormThreads * 4 * kMaxVec) return cudaErrorInvalidValue;
+  rmsnorm_kernel<<<T, kNormThreads, 0, stream>>>(out, hidden, weight, H, eps);
+  return cudaGetLastError();
+}
+
+}  // namespace nanoqwen

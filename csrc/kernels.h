@@ -1,0 +1,74 @@
+// nanoqwen decode kernels (everything but the INT4/fp16 GEMVs, which live in gemv.h).
+//
+// Torch-free: raw pointers, a cudaStream_t, a cudaError_t back (the launch's own error, from
+// cudaGetLastError). csrc/bindings.cpp is the only file that includes torch headers.
+//
+// Shared conventions (docs/INTERFACES.md, engine/kv_cache.py):
+//   hidden      fp32 [T, H]              the residual stream (GEMV epilogues add into it)
+//   KV cache    fp16 [num_pages, 16, n_kv, head_dim] per layer (K after RoPE, V as projected);
+//               position p lives in page page_table[p / 16], slot p % 16.
+//   pos         int32 [1] on the device: position of the current (first) token. Decode kernels
+//               read it at run time, so one captured CUDA graph serves every position.
+//   RoPE tables fp32 [max_positions, head_dim/2] cos and sin, computed on the host exactly as
+//               the reference backend does (fp32 inv_freq * position), HF rotate_half order.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace nanoqwen {
+
+constexpr int kPageSize = 16;
+constexpr int kMaxGqa = 8;  // Qwen2.5-Coder ratios are 5, 6, 7, 8 (and 1 for tests)
+
+// hidden[t, :] = float(table[ids[t], :]) for t < T. ids are clamped into [0, vocab) so a bad
+// id can never read out of bounds (the Python side validates ids before they get here).
+cudaError_t embed_gather(float* hidden, const half* table, const int32_t* ids, int T, int H,
+                         int vocab, cudaStream_t stream);
+
+// out[t, :] = half(w * x * rsqrt(mean(x^2) + eps)), x = hidden[t, :] in fp32.
+cudaError_t rmsnorm(half* out, const float* hidden, const half* weight, int T, int H, float eps,
+                    cudaStream_t stream);
+
+// Row t of qkv [T, (n_heads + 2 n_kv) * head_dim] is the token at position pos[0] + t.
+// Rotates q and k (HF rotate_half), writes q to q_out [T, n_heads, head_dim], and rotated k and
+// plain v into the layer's pages. Positions at or beyond table_len*16 are not written to the
+// cache (and read the last row of the tables, which must hold table_len*16 rows).
+cudaError_t rope_kv_write(half* q_out, half* k_cache, half* v_cache, const half* qkv,
+                          const float* cos_table, const float* sin_table, const int32_t* pos,
+                          const int32_t* page_table, int table_len, int T, int n_heads,
+                          int n_kv, int head_dim, cudaStream_t stream);
+
+// Decode attention of one token (position pos[0]) over positions 0..pos[0] of a paged cache.
+//   q [n_heads, head_dim] (after RoPE), out [n_heads, head_dim].
+// Split-K (flash-decoding): grid (n_kv, num_splits); split s takes a contiguous run of pages,
+// sized from the length at run time; a second kernel merges the splits' (max, sum, acc).
+//   ws_acc fp32 [n_heads, num_splits, head_dim], ws_ml fp32 [n_heads, num_splits, 2].
+// head_dim 64 or 128; n_heads / n_kv <= kMaxGqa. scale = 1/sqrt(head_dim).
+cudaError_t paged_attention(half* out, float* ws_acc, float* ws_ml, const half* q,
+                            const half* k_cache, const half* v_cache, const int32_t* page_table,
+                            int table_len, const int32_t* pos, int n_heads, int n_kv,
+                            int head_dim, int num_splits, float scale, cudaStream_t stream);
+
+// GPU sampler (docs/INTERFACES.md order): repetition penalty over the distinct ids among the
+// last repeat_last_n context ids (ctx_tokens[0..pos]) -> greedy argmax (lowest id on ties) ->
+// top-k -> top-p -> min-p -> temperature -> one draw from Philox4x32-10(seed, counter).
+//   params_f fp32 [4]  = temperature, top_p, min_p, repeat_penalty
+//   params_i int64 [4] = top_k, repeat_last_n, seed, (unused)
+//   counter  int64 [1] = the draw's counter (advance() increments it)
+//   work     fp32 [V]  scratch for the penalised logits
+// Parameters live in device memory, so changing one needs no graph re-capture.
+// ctx_tokens holds ctx_capacity ids; the window is clamped to it.
+cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, int V,
+                         const int32_t* ctx_tokens, int ctx_capacity, const int32_t* pos, const float* params_f,
+                         const int64_t* params_i, const int64_t* counter, cudaStream_t stream);
+
+// The end of a decode step, so the next one needs no host round trip:
+//   token_in[0] = sampled; pos += 1; ctx_tokens[pos] = sampled (if pos < ctx_capacity);
+//   host_ring[counter % ring_size] = sampled (pinned, mapped host memory); counter += 1.
+cudaError_t advance_step(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens,
+                         int ctx_capacity, int64_t* counter, int32_t* host_ring, int ring_size,
+                         const int32_t* sampled, cudaStream_t stream);
+
+}  // namespace nanoqwen

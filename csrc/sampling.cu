@@ -1,0 +1,318 @@
+// GPU sampling and the end-of-step "advance" kernel.
+//
+// The sampler is one block of 1024 threads over the whole vocabulary, in the reference
+// sampler's order (engine/sampling.py):
+//   1. repetition penalty over the distinct ids of the last repeat_last_n context ids. The
+//      logits are copied to `work` first and every copy of an id writes f(original), so a
+//      repeated id is penalised once whatever the order of the (benign, same-value) writes.
+//   2. greedy: argmax, lowest id on ties. Done.
+//   3. top-k: the k-th largest logit by a 4-pass radix select over order-preserving 32-bit
+//      keys (ties at the k-th value are all kept).
+//   4. top-p: the largest threshold whose kept mass reaches top_p * Z, by the same radix
+//      walk over exp(l - max) masses. Masses are 2^32 fixed point summed with integer
+//      atomics, so the result does not depend on the order of the additions: graph and
+//      eager replays (and reruns) draw the same token. The resolution drops tokens whose
+//      probability is below 2^-32 of the top token's, which top-p never keeps anyway.
+//   5. min-p: logit >= max + log(min_p).
+//   6. temperature: weights exp((l - max)/T) (2^32 fixed point), one draw from
+//      Philox4x32-10(key = seed, counter = step counter): an exclusive scan of per-thread
+//      contiguous chunk sums locates the chunk, whose thread walks it in id order.
+// Parameters are read from device memory on every call (no graph re-capture when they change).
+#include <math_constants.h>
+
+#include "common.cuh"
+#include "kernels.h"
+
+namespace nanoqwen {
+
+constexpr int kSampleThreads = 1024;
+constexpr int kSampleWarps = kSampleThreads / 32;
+
+__device__ __forceinline__ uint32_t float_key(float f) {
+  const uint32_t b = __float_as_uint(f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);  // larger float -> larger key
+}
+
+__device__ __forceinline__ uint4 philox4x32_10(uint4 ctr, uint2 key) {
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    const uint32_t lo0 = 0xD2511F53u * ctr.x, hi0 = __umulhi(0xD2511F53u, ctr.x);
+    const uint32_t lo1 = 0xCD9E8D57u * ctr.z, hi1 = __umulhi(0xCD9E8D57u, ctr.z);
+    ctr = make_uint4(hi1 ^ ctr.y ^ key.x, lo1, hi0 ^ ctr.w ^ key.y, lo0);
+    key.x += 0x9E3779B9u;
+    key.y += 0xBB67AE85u;
+  }
+  return ctr;
+}
+
+struct SampleShared {
+  unsigned long long hist[256];
+  unsigned long long red[kSampleWarps];
+  float redf[kSampleWarps];
+  int redi[kSampleWarps];
+  unsigned long long sel_rem;
+  int sel_digit;
+  float max_val;
+  int max_idx;
+};
+
+// Block-wide uint64 sum (all threads get it). Called by every thread, outside warp branches.
+__device__ unsigned long long block_sum_u64(unsigned long long v, SampleShared& sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if (lane == 0) sh.red[warp] = v;
+  __syncthreads();
+  unsigned long long r = lane < kSampleWarps ? sh.red[lane] : 0ull;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
+  return r;
+}
+
+// Argmax of src[0..V) (lowest id on ties) into sh.max_val / sh.max_idx.
+__device__ void block_argmax(const float* __restrict__ src, int V, SampleShared& sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float bv = -CUDART_INF_F;
+  int bi = 0x7fffffff;
+  for (int i = threadIdx.x; i < V; i += kSampleThreads) {
+    const float v = src[i];
+    if (v > bv) { bv = v; bi = i; }  // ascending i: only a strictly larger value replaces
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+  }
+  __syncthreads();
+  if (lane == 0) { sh.redf[warp] = bv; sh.redi[warp] = bi; }
+  __syncthreads();
+  if (warp == 0) {  // no block barrier inside: shuffles only
+    bv = sh.redf[lane];
+    bi = sh.redi[lane];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+    if (lane == 0) {
+      // all -inf (or NaN) logits: fall back to id 0 rather than an out-of-range id
+      sh.max_val = bv;
+      sh.max_idx = bi == 0x7fffffff ? 0 : bi;
+    }
+  }
+  __syncthreads();
+}
+
+// One radix step over sh.hist: the largest digit d with sum(hist[>= d]) >= remaining.
+// Sets sh.sel_digit and sh.sel_rem (= remaining - sum(hist[> d])). Warp 0 only works; the
+// barrier after it is reached by all threads.
+__device__ void radix_pick(unsigned long long remaining, SampleShared& sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (warp == 0) {
+    unsigned long long v[8], mine = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) { v[j] = sh.hist[lane * 8 + j]; mine += v[j]; }
+    unsigned long long suffix = mine;  // sum over lanes >= this lane
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned long long other = __shfl_down_sync(0xffffffffu, suffix, o);
+      if (lane + o < 32) suffix += other;
+    }
+    const unsigned long long above = suffix - mine;
+    if (lane == 0 && suffix < remaining) {  // cannot happen for valid inputs: keep all
+      sh.sel_digit = 0;
+      sh.sel_rem = remaining;
+    }
+    if (above < remaining && remaining <= suffix) {
+      unsigned long long acc = above;
+#pragma unroll
+      for (int j = 7; j >= 0; --j) {
+        if (acc + v[j] >= remaining) {
+          sh.sel_digit = lane * 8 + j;
+          sh.sel_rem = remaining - acc;
+          break;
+        }
+        acc += v[j];
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// Largest key t with weight(key >= t, key >= floor) >= target, where weight is 1 per token
+// (counting) or the fixed-point mass exp(l - mx) * 2^32.
+template <bool kMass>
+__device__ uint32_t radix_threshold(const float* __restrict__ src, int V, uint32_t floor_key,
+                                    float mx, unsigned long long target, SampleShared& sh) {
+  uint32_t prefix = 0, mask = 0;
+  unsigned long long remaining = target;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += kSampleThreads) sh.hist[i] = 0ull;
+    __syncthreads();
+    for (int i = threadIdx.x; i < V; i += kSampleThreads) {
+      const float v = src[i];
+      const uint32_t key = float_key(v);
+      if ((key & mask) == prefix && key >= floor_key) {
+        const unsigned long long w =
+            kMass ? __float2ull_rn(__expf(v - mx) * 4294967296.0f) : 1ull;
+        if (w) atomicAdd(&sh.hist[(key >> shift) & 255u], w);
+      }
+    }
+    __syncthreads();
+    radix_pick(remaining, sh);
+    prefix |= (uint32_t)sh.sel_digit << shift;
+    mask |= 255u << shift;
+    remaining = sh.sel_rem;
+    __syncthreads();  // sh.sel_* are rewritten by the next pass
+  }
+  return prefix;
+}
+
+__global__ void __launch_bounds__(kSampleThreads)
+sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
+              const float* __restrict__ logits, int V, const int32_t* __restrict__ ctx_tokens,
+              int ctx_capacity, const int32_t* __restrict__ pos_ptr, const float* __restrict__ params_f,
+              const int64_t* __restrict__ params_i, const int64_t* __restrict__ counter) {
+  __shared__ SampleShared sh;
+  const float temperature = params_f[0], top_p = params_f[1], min_p = params_f[2];
+  const float penalty = params_f[3];
+  const int64_t top_k = params_i[0], last_n = params_i[1];
+  const uint64_t seed = (uint64_t)params_i[2];
+
+  // 1. repetition penalty
+  const float* src = logits;
+  const int n_ctx = min(pos_ptr[0] + 1, ctx_capacity);
+  const int window = (last_n < 0 || last_n > n_ctx) ? n_ctx : (int)last_n;
+  if (penalty != 1.0f && window > 0) {
+    for (int i = threadIdx.x; i < V; i += kSampleThreads) work[i] = logits[i];
+    __syncthreads();
+    for (int i = threadIdx.x; i < window; i += kSampleThreads) {
+      const int id = ctx_tokens[n_ctx - window + i];
+      if (id >= 0 && id < V) {
+        const float v = logits[id];
+        work[id] = v > 0.f ? v / penalty : v * penalty;
+      }
+    }
+    __syncthreads();  // global writes of the block are visible to it after the barrier
+    src = work;
+  }
+
+  // 2. greedy
+  block_argmax(src, V, sh);
+  const float mx = sh.max_val;
+  if (temperature <= 0.f) {
+    if (threadIdx.x == 0) out_token[0] = sh.max_idx;
+    return;  // uniform over the block
+  }
+
+  // 3. top-k
+  uint32_t floor_key = 0;
+  if (top_k > 0 && top_k < V)
+    floor_key = radix_threshold<false>(src, V, 0u, mx, (unsigned long long)top_k, sh);
+
+  // 4. top-p over the softmax of the top-k survivors
+  if (top_p < 1.0f) {
+    unsigned long long z = 0;
+    for (int i = threadIdx.x; i < V; i += kSampleThreads) {
+      const float v = src[i];
+      if (float_key(v) >= floor_key) z += __float2ull_rn(__expf(v - mx) * 4294967296.0f);
+    }
+    z = block_sum_u64(z, sh);
+    unsigned long long target = (unsigned long long)ceil((double)top_p * (double)z);
+    target = target < 1ull ? 1ull : (target > z ? z : target);
+    floor_key = radix_threshold<true>(src, V, floor_key, mx, target, sh);
+  }
+
+  // 5. min-p (a ratio of probabilities = a difference of logits)
+  if (min_p > 0.f) floor_key = max(floor_key, float_key(mx + logf(min_p)));
+
+  // 6. temperature + draw
+  const float inv_t = 1.0f / temperature;
+  const int chunk = (V + kSampleThreads - 1) / kSampleThreads;
+  const int c0 = min(V, threadIdx.x * chunk), c1 = min(V, c0 + chunk);
+  unsigned long long mine = 0;
+  for (int i = c0; i < c1; ++i) {
+    const float v = src[i];
+    if (float_key(v) >= floor_key) mine += __float2ull_rn(__expf((v - mx) * inv_t) * 4294967296.0f);
+  }
+  // exclusive scan of `mine` over the block (warp scans + a scan of the warp totals)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  unsigned long long incl = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned long long other = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += other;
+  }
+  __syncthreads();
+  if (lane == 31) sh.red[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    unsigned long long t = sh.red[lane];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned long long other = __shfl_up_sync(0xffffffffu, t, o);
+      if (lane >= o) t += other;
+    }
+    sh.red[lane] = t;  // inclusive totals of warps 0..lane
+  }
+  __syncthreads();
+  const unsigned long long total = sh.red[kSampleWarps - 1];
+  const unsigned long long excl = incl - mine + (warp > 0 ? sh.red[warp - 1] : 0ull);
+  if (threadIdx.x == 0) out_token[0] = sh.max_idx;  // fallback, overwritten below
+  __syncthreads();
+  const uint64_t ctr = (uint64_t)counter[0];
+  const uint4 r = philox4x32_10(make_uint4((uint32_t)ctr, (uint32_t)(ctr >> 32), 0x6e716e71u, 0u),
+                                make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
+  const double u = (double)(((uint64_t)r.x << 21) ^ ((uint64_t)r.y >> 11)) *
+                   (1.0 / 9007199254740992.0);  // 53 random bits in [0, 1)
+  unsigned long long pick = (unsigned long long)(u * (double)total);
+  if (pick >= total) pick = total - 1;
+  if (mine > 0 && excl <= pick && pick < excl + mine) {
+    unsigned long long acc = excl;
+    for (int i = c0; i < c1; ++i) {
+      const float v = src[i];
+      if (float_key(v) >= floor_key) {
+        acc += __float2ull_rn(__expf((v - mx) * inv_t) * 4294967296.0f);
+        if (acc > pick) { out_token[0] = i; break; }
+      }
+    }
+  }
+}
+
+cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, int V,
+                         const int32_t* ctx_tokens, int ctx_capacity, const int32_t* pos,
+                         const float* params_f, const int64_t* params_i, const int64_t* counter,
+                         cudaStream_t stream) {
+  if (V <= 0 || ctx_capacity <= 0) return cudaErrorInvalidValue;
+  sample_kernel<<<1, kSampleThreads, 0, stream>>>(out_token, work, logits, V, ctx_tokens,
+                                                  ctx_capacity, pos,
+                                                  params_f, params_i, counter);
+  return cudaGetLastError();
+}
+
+__global__ void advance_kernel(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens,
+                               int ctx_capacity, int64_t* counter, int32_t* host_ring,
+                               int ring_size, const int32_t* sampled) {
+  const int32_t t = sampled[0];
+  const int32_t p = pos[0] + 1;
+  token_in[0] = t;
+  pos[0] = p;
+  if (p >= 0 && p < ctx_capacity) ctx_tokens[p] = t;
+  const int64_t c = counter[0];
+  host_ring[c % ring_size] = t;  // pinned host memory, mapped (UVA): read after the step's event
+  counter[0] = c + 1;
+}
+
+cudaError_t advance_step(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens,
+                         int ctx_capacity, int64_t* counter, int32_t* host_ring, int ring_size,
+                         const int32_t* sampled, cudaStream_t stream) {
+  if (ring_size <= 0) return cudaErrorInvalidValue;
+  advance_kernel<<<1, 1, 0, stream>>>(token_in, pos, ctx_tokens, ctx_capacity, counter,
+                                      host_ring, ring_size, sampled);
+  return cudaGetLastError();
+}
+
+}  // namespace nanoqwen

@@ -1,0 +1,139 @@
+"""`nanoqwen bench`: prompt processing and token generation speed in llama-bench's terms.
+
+For each decode mode: `-r` timed repetitions (after one warm-up) of: empty cache, prefill
+`-p` random prompt ids, then `-n` greedy tokens (no stop ids). All times come from the
+backend's CUDA events (StepEvent.step_ms):
+  TTFT      the first event's step_ms: prefill of the prompt + the first sample
+  pp t/s    p / TTFT (llama-bench's pp is prompt processing; our first sample adds ~0.1 ms)
+  ms/token  mean decode step of a repetition (forward + sample + advance)
+  tg t/s    1000 / ms/token
+  GB/s      (weight bytes per token + K/V bytes read at the mean context) / ms/token,
+            and its share of the H200's measured 4276 GB/s device copy bandwidth
+Each figure is the median over repetitions.
+
+`--synthetic PRESET` makes random weights directly on the GPU (no file, no CPU quantization).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+COPY_BANDWIDTH_GBS = 4276.0  # measured on the H200 (docs: device-to-device, read + write)
+
+
+def _commit() -> str:
+    try:
+        from nanoqwen import REPO_ROOT
+
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def _size_str(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
+              seed: int = 0) -> list[dict]:
+    import torch
+
+    from .sampling import SamplerParams
+
+    cfg = backend.config
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, cfg.vocab_size, (n_prompt,), generator=g).tolist()
+    greedy = SamplerParams.greedy_params()
+    rows = []
+    for mode in modes:
+        backend.mode = mode
+        ttft, mspt = [], []
+        for r in range(reps + 1):  # repetition 0 warms up (graph upload, cuBLAS handles)
+            backend.truncate(0)
+            events = list(backend.generate(prompt, greedy, max_new_tokens=n_gen + 1))
+            if r == 0:
+                continue
+            ttft.append(events[0].step_ms)
+            steps = [e.step_ms for e in events[1:]]
+            mspt.append(sum(steps) / len(steps))
+        backend.truncate(0)
+        t_ms = statistics.median(ttft)
+        d_ms = statistics.median(mspt)
+        mean_ctx = n_prompt + n_gen / 2
+        kv_bytes = 2 * cfg.num_hidden_layers * mean_ctx * cfg.kv_size * 2
+        gbs = (cfg.decode_bytes_per_token() + kv_bytes) / (d_ms * 1e-3) / 1e9
+        common = dict(model=cfg.name, backend=backend.name, device=backend.device_name,
+                      mode=mode, reps=reps)
+        rows.append(dict(common, test=f"pp{n_prompt}", tokens_per_s=n_prompt / (t_ms * 1e-3),
+                         ttft_ms=t_ms, ttft_all=ttft))
+        rows.append(dict(common, test=f"tg{n_gen}", tokens_per_s=1e3 / d_ms, ms_per_token=d_ms,
+                         gb_per_s=gbs, pct_of_copy_bw=100 * gbs / COPY_BANDWIDTH_GBS,
+                         ms_per_token_all=mspt))
+    return rows
+
+
+def format_table(rows: list[dict], size_bytes: int) -> str:
+    head = ("| model | size | backend | mode | test | t/s | TTFT ms | ms/token | GB/s "
+            f"| % of {COPY_BANDWIDTH_GBS:.0f} |")
+    lines = [head, "|" + " --- |" * 10]
+    for r in rows:
+        ttft = f"{r['ttft_ms']:.2f}" if "ttft_ms" in r else "-"
+        mspt = f"{r['ms_per_token']:.3f}" if "ms_per_token" in r else "-"
+        gbs = f"{r['gb_per_s']:.0f}" if "gb_per_s" in r else "-"
+        pct = f"{r['pct_of_copy_bw']:.1f}" if "pct_of_copy_bw" in r else "-"
+        lines.append(f"| {r['model']} | {_size_str(size_bytes)} | {r['backend']} | {r['mode']} "
+                     f"| {r['test']} | {r['tokens_per_s']:.1f} | {ttft} | {mspt} | {gbs} | {pct} |")
+    return "\n".join(lines)
+
+
+def cli_bench(args) -> int:
+    from .config import ModelConfig
+    from .errors import NanoqwenError
+
+    modes = [m.strip() for m in args.mode.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("graph", "eager")]
+    if not modes or bad:
+        raise NanoqwenError(f"--mode {args.mode!r}: use a comma list of graph, eager")
+    if args.backend == "reference":
+        raise NanoqwenError("bench measures the CUDA engine; --backend reference is not "
+                            "supported (use --backend cuda or auto)")
+    for name in ("n_prompt", "n_gen", "repetitions"):
+        if getattr(args, name) < 1:
+            raise NanoqwenError(f"--{name.replace('_', '-')} must be at least 1")
+    from .backends.cuda import CudaBackend
+
+    max_context = args.n_prompt + args.n_gen + 16
+    t0 = time.perf_counter()
+    if args.synthetic:
+        cfg = ModelConfig.from_name(args.synthetic)
+        if max_context > cfg.max_position_embeddings:
+            raise NanoqwenError(f"-p + -n = {max_context - 16} exceeds the model's context "
+                                f"{cfg.max_position_embeddings}")
+        backend = CudaBackend.synthetic(cfg, seed=0, max_context=max_context)
+        source = f"synthetic {args.synthetic} (random weights, std 0.02)"
+    else:
+        from .format import open_model
+
+        mf = open_model(args.model)
+        backend = CudaBackend.from_model_file(mf, max_context=min(
+            max_context, mf.config.max_position_embeddings))
+        source = str(args.model)
+    load_s = time.perf_counter() - t0
+    rows = run_bench(backend, args.n_prompt, args.n_gen, args.repetitions, modes)
+    size = backend._weight_bytes()
+    if args.json:
+        print(json.dumps(dict(source=source, commit=_commit(), load_s=load_s,
+                              prefill_weights=backend.prefill_weights,
+                              date=time.strftime("%Y-%m-%d"), rows=rows), indent=2))
+    else:
+        print(f"# {source} on {backend.device_name}, commit {_commit()}, "
+              f"{time.strftime('%Y-%m-%d')}, load {load_s:.1f} s, prefill weights "
+              f"{backend.prefill_weights}, medians of {args.repetitions} reps", file=sys.stdout)
+        print(format_table(rows, size))
+    return 0

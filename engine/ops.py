@@ -1,0 +1,162 @@
+"""Python wrappers over `torch.ops.nanoqwen.*` (csrc/bindings.cpp): allocate outputs,
+document shapes. Every op launches on the current CUDA stream.
+
+The decode step (backends/cuda.py) calls the raw out-variant ops on preallocated buffers
+(`torch.ops.nanoqwen.<op>(out, ...)`) so it can be captured in a CUDA graph; these
+allocating wrappers are for tests, benchmarks and prefill.
+
+Shapes: H hidden, T tokens, nh/nkv query/kv heads, D head_dim, V vocab, N x K weights
+(INT4: qweight int32 [N, K/8], scales fp16 [N, K/128]; engine/quant.py is the layout).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .build import load_extension
+
+
+def _ops():
+    load_extension()
+    return torch.ops.nanoqwen
+
+
+def embed_gather(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """table fp16 [V, H], ids int32 [T] (device) -> hidden fp32 [T, H]."""
+    out = torch.empty(ids.shape[0], table.shape[1], dtype=torch.float32, device=table.device)
+    _ops().embed_gather(out, table, ids)
+    return out
+
+
+def rmsnorm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """hidden fp32 [T, H], weight fp16 [H] -> fp16 [T, H]."""
+    out = torch.empty(hidden.shape, dtype=torch.float16, device=hidden.device)
+    _ops().rmsnorm(out, hidden, weight, float(eps))
+    return out
+
+
+def rope_kv_write(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                  page_table: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """qkv fp16 [T, (nh + 2 nkv) D] at positions pos[0].. -> q fp16 [T, nh, D] (rotated).
+
+    Rotated k and plain v go into k_cache/v_cache fp16 [num_pages, 16, nkv, D] (one layer)
+    through page_table int32 [pages]. cos/sin fp32 [>= pages*16, D/2]; pos int32 [1] (device).
+    """
+    d = k_cache.shape[3]
+    q = torch.empty(qkv.shape[0], n_heads, d, dtype=torch.float16, device=qkv.device)
+    _ops().rope_kv_write(q, k_cache, v_cache, qkv, cos, sin, pos, page_table)
+    return q
+
+
+def attention_workspace(n_heads: int, head_dim: int, num_splits: int,
+                        device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ws_acc fp32 [nh, S, D], ws_ml fp32 [nh, S, 2]) for paged_attention with S splits."""
+    return (torch.empty(n_heads, num_splits, head_dim, dtype=torch.float32, device=device),
+            torch.empty(n_heads, num_splits, 2, dtype=torch.float32, device=device))
+
+
+def default_num_splits(n_kv_heads: int, max_pages: int, device=None) -> int:
+    """Splits so that (n_kv x splits) blocks fill the GPU about twice at long contexts."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(max_pages, -(-2 * sms // n_kv_heads)))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    page_table: torch.Tensor, pos: torch.Tensor,
+                    num_splits: int | None = None) -> torch.Tensor:
+    """q fp16 [nh, D] of the token at position pos[0] attends to positions 0..pos[0] of the
+    paged cache (k/v_cache fp16 [num_pages, 16, nkv, D], page_table int32 [pages]).
+    Returns fp16 [nh, D]."""
+    nh, d = q.shape
+    if num_splits is None:
+        num_splits = default_num_splits(k_cache.shape[2], page_table.shape[0], q.device)
+    ws_acc, ws_ml = attention_workspace(nh, d, num_splits, q.device)
+    out = torch.empty(nh, d, dtype=torch.float16, device=q.device)
+    _ops().paged_attention(out, ws_acc, ws_ml, q, k_cache, v_cache, page_table, pos)
+    return out
+
+
+def sample_token(logits: torch.Tensor, ctx_tokens: torch.Tensor, pos: torch.Tensor,
+                 params_f: torch.Tensor, params_i: torch.Tensor,
+                 counter: torch.Tensor) -> torch.Tensor:
+    """logits fp32 [V] -> int32 [1] token id. ctx_tokens int32 [C] (ids of positions
+    0..pos[0] are the penalty's history), params_f fp32 [4] = (temperature, top_p, min_p,
+    repeat_penalty), params_i int64 [4] = (top_k, repeat_last_n, seed, 0), counter int64 [1]."""
+    out = torch.empty(1, dtype=torch.int32, device=logits.device)
+    work = torch.empty_like(logits)
+    _ops().sample_token(out, work, logits, ctx_tokens, pos, params_f, params_i, counter)
+    return out
+
+
+def sampler_tensors(params, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(params_f, params_i) for sample_token from a SamplerParams and a resolved seed."""
+    pf = torch.tensor([params.temperature, params.top_p, params.min_p, params.repeat_penalty],
+                      dtype=torch.float32)
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    if seed >= 2**63:  # stored as int64 bits; the kernel reads them back as uint64
+        seed -= 2**64
+    pi = torch.tensor([params.top_k, params.repeat_last_n, seed, 0], dtype=torch.int64)
+    return pf.to(device), pi.to(device)
+
+
+def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x fp16 [K] -> y fp16 [N] = W x + bias."""
+    y = torch.empty(qweight.shape[0], dtype=torch.float16, device=x.device)
+    _ops().gemv_int4(y, x, qweight, scales, bias)
+    return y
+
+
+def gemv_int4_residual_(hidden: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor,
+                        scales: torch.Tensor) -> torch.Tensor:
+    """hidden fp32 [N] += W x (in place); returns hidden."""
+    _ops().gemv_int4_residual(hidden, x, qweight, scales)
+    return hidden
+
+
+def gemv_int4_silu_mul(x: torch.Tensor, qw_gate: torch.Tensor, sc_gate: torch.Tensor,
+                       qw_up: torch.Tensor, sc_up: torch.Tensor) -> torch.Tensor:
+    """x fp16 [K] -> fp16 [N] = silu(Wg x) * (Wu x)."""
+    out = torch.empty(qw_gate.shape[0], dtype=torch.float16, device=x.device)
+    _ops().gemv_int4_silu_mul(out, x, qw_gate, sc_gate, qw_up, sc_up)
+    return out
+
+
+def gemv_fp16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x fp16 [K], w fp16 [N, K] -> fp32 [N]."""
+    out = torch.empty(w.shape[0], dtype=torch.float32, device=x.device)
+    _ops().gemv_fp16(out, x, w)
+    return out
+
+
+def dequant_int4(qweight: torch.Tensor, scales: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """INT4 [N, K/8] + scales [N, K/128] -> fp16 [N, K] (into `out` when given)."""
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    if out is None:
+        out = torch.empty(n, k, dtype=torch.float16, device=qweight.device)
+    _ops().dequant_int4(out, qweight, scales)
+    return out
+
+
+def quantize_int4_gpu(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """engine/quant.py's `quantize`, in torch on w's device (for synthetic models on the GPU).
+
+    Same math and layout: s = fp16(amax/7) per 128-group, q = clamp(round(w/s), -7, 7),
+    u = q + 8, nibble p of word j holds k = 8j + ORDER[p], ORDER = (0, 2, 4, 6, 1, 3, 5, 7).
+    """
+    from .quant import GROUP_SIZE, NIBBLE_ORDER, QMAX, CODE_OFFSET
+
+    n, k = w.shape
+    wf = w.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    scales = (wf.abs().amax(dim=-1) / QMAX).to(torch.float16)
+    s = scales.float().unsqueeze(-1)
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.where(s > 0, torch.round(wf / safe), torch.zeros_like(wf))
+    codes = (q.clamp(-QMAX, QMAX) + CODE_OFFSET).to(torch.int32).reshape(n, k // 8, 8)
+    word = torch.zeros(n, k // 8, dtype=torch.int32, device=w.device)
+    for p, elem in enumerate(NIBBLE_ORDER):
+        # int32 shifts wrap into the sign bit for p = 7, exactly the int32 bits quant.py stores
+        word |= (codes[:, :, elem] & 0xF) << (4 * p)
+    return word, scales
