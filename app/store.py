@@ -29,17 +29,18 @@ class StoreError(Exception):
 
 
 MIGRATIONS: list[str] = [
-    # 0 -> 1: chats and their messages, in order (seq) within a chat.
+    # 0 -> 1: chats and their messages, in order (seq) within a chat. AUTOINCREMENT: an id is
+    # never reused, so a deleted (regenerated) reply and its successor are told apart.
     """
     CREATE TABLE chats (
-        id INTEGER PRIMARY KEY,
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
         title TEXT NOT NULL,
         model TEXT NOT NULL DEFAULT '',
         created REAL NOT NULL,
         updated REAL NOT NULL
     );
     CREATE TABLE messages (
-        id INTEGER PRIMARY KEY,
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
         chat_id INTEGER NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
         seq INTEGER NOT NULL,
         role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),

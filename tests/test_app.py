@@ -110,6 +110,10 @@ async def test_prompt_streams_a_reply_that_matches_the_engine(dirs, tiny_model_p
     async with app.run_test(size=SIZE) as pilot:
         await loaded(app, pilot)
         assert app.chat.perf.info.backend == "reference"
+        # the loader's progress reached the bar (then the bar was hidden)
+        bar = app.chat.query_one("#loading-bar")
+        assert bar.total and bar.progress == bar.total
+        assert not app.chat.query_one("#loading").has_class("-active")
         await pilot.press(*"def add")
         widget = await send(app, pilot, None)
         seen = set()
@@ -132,6 +136,19 @@ async def test_prompt_streams_a_reply_that_matches_the_engine(dirs, tiny_model_p
         assert perf.ttft_ms > 0 and perf.median_ms > 0 and len(perf.steps_ms) == n - 1
         assert perf.kv_len == msgs[1].stats["kv_len"] > n
         assert app.chat.query_one("#prompt", PromptInput).text == ""
+
+
+def test_engine_errors_are_described_for_people():
+    import torch
+    from nanoqwen.app.bridge import describe_error
+    from nanoqwen.engine.errors import ContextFullError, FormatError
+
+    kind, msg = describe_error(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried 2 GiB"))
+    assert kind == "oom" and "ran out of memory" in msg and "Tried 2 GiB" in msg
+    assert describe_error(ContextFullError("9000 > 4096"))[0] == "context"
+    assert describe_error(FormatError("bad magic")) == ("engine", "bad magic")
+    assert describe_error(RuntimeError("boom")) == ("engine",
+                                                    "The engine failed (RuntimeError: boom)")
 
 
 def test_bridge_batches_text_every_40ms_not_per_token(tiny_model_path):
@@ -377,3 +394,146 @@ async def send_without_model(app, pilot) -> None:
     await pilot.pause()
     assert any("No model is loaded" in n for n in notes(app))
     assert not app.chat.generating
+
+
+# --- chat actions -----------------------------------------------------------------------------
+@aio
+async def test_regenerate_replaces_the_last_reply(dirs, tiny_model_path):
+    use_settings(max_new_tokens=10)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        await send(app, pilot, "first")
+        await reply_done(app, pilot)
+        before = app.store.messages(app.chat.chat_id)
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: app.store.messages(app.chat.chat_id)[-1].id
+                       != before[-1].id, 10, "a new reply row")
+        await reply_done(app, pilot)
+        after = app.store.messages(app.chat.chat_id)
+        assert [m.role for m in after] == ["user", "assistant"]
+        assert after[1].content == before[1].content   # greedy: the same reply again
+        assert len(app.chat.query(AssistantMessage)) == 1
+
+
+@aio
+async def test_new_chat_and_reopen_a_past_one(dirs, tiny_model_path):
+    use_settings(max_new_tokens=6)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        await send(app, pilot, "chat one")
+        await reply_done(app, pilot)
+        first = app.chat.chat_id
+        await pilot.press("ctrl+n")
+        assert app.chat.chat_id is None and not app.chat.query(UserMessage)
+        await send(app, pilot, "chat two")
+        await reply_done(app, pilot)
+        assert app.chat.chat_id != first
+        await pilot.press("ctrl+o")
+        assert isinstance(app.screen, ChatsScreen)
+        options = app.screen.query_one("#chats-list")
+        assert options.option_count == 2
+        await pilot.press("down", "enter")   # the older chat (newest is first)
+        await pilot.pause()
+        assert app.chat.chat_id == first
+        assert [w.render().plain for w in app.chat.query(UserMessage)] == ["chat one"]
+
+
+CODE_CHAT = [
+    ("user", "add two numbers"),
+    ("assistant", "Here:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\n"
+                  "And a test:\n\n```python\nassert add(2, 3) == 5\n```\n"),
+]
+
+
+def seed_chat(title: str, turns) -> int:
+    store = ChatStore()
+    chat = store.new_chat(title, "tiny")
+    for role, text in turns:
+        store.add_message(chat, role, text, "stop" if role == "assistant" else None)
+    store.close()
+    return chat
+
+
+@aio
+async def test_copy_code_by_key_and_click_and_export(dirs, tiny_model_path):
+    use_settings()
+    seed_chat("code", CODE_CHAT)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        fences = list(app.chat.query(CodeFence))
+        assert [f.code for f in fences] == ["def add(a, b):\n    return a + b",
+                                            "assert add(2, 3) == 5"]
+        await pilot.press("ctrl+b")   # the last code block
+        assert app.clipboard == "assert add(2, 3) == 5"
+        await pilot.click(fences[0])
+        assert app.clipboard == "def add(a, b):\n    return a + b"
+        assert any("Copied a code block (2 lines)" in n for n in notes(app))
+
+        await pilot.press("ctrl+t")
+        assert isinstance(app.screen, ExportScreen)
+        target = dirs / "export.md"
+        app.screen.query_one("#path-input").value = str(target)
+        await pilot.press("enter")
+        await pilot.pause()
+        text = target.read_text()
+        assert text.startswith("# code\n")
+        assert "```python\ndef add(a, b):\n    return a + b\n```" in text
+
+
+@aio
+async def test_every_action_is_in_the_command_palette(dirs, tiny_model_path):
+    use_settings()
+    seed_chat("old", [("user", "old question"), ("assistant", "old answer")])
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        for _, _, short, _, _ in CHAT_ACTIONS:
+            assert short in titles
+        assert "Help" in titles
+        assert app.chat.chat_id is not None
+        # one real round trip through the palette
+        await pilot.press("ctrl+p")
+        await pilot.press(*"New chat")
+        await pilot.pause(0.5)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.chat.chat_id is None, 10, "the palette command")
+
+
+@aio
+async def test_help_lists_the_key_bindings(dirs, tiny_model_path):
+    use_settings()
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        await pilot.press("f1")
+        assert isinstance(app.screen, HelpScreen)
+        text = str(app.screen.query_one("#help-keys").render())
+        for key, _, _, desc, _ in CHAT_ACTIONS:
+            assert key in text and desc in text
+        assert "shift+enter, ctrl+j" in text and "ctrl+p" in text
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+
+@aio
+async def test_engine_error_is_reported_and_the_app_stays_usable(dirs, tiny_model_path):
+    use_settings(max_new_tokens=5)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        too_long = "word " * (app.bridge.model.max_context + 100)
+        widget = await send(app, pilot, too_long)
+        await reply_done(app, pilot)
+        assert any("does not fit the context" in n for n in notes(app))
+        assert widget.border_subtitle == "failed"
+        assert app.store.messages(app.chat.chat_id)[-1].finish == "error"
+        app.clear_notifications()
+        await pilot.press("ctrl+n")
+        widget = await send(app, pilot, "short")
+        await reply_done(app, pilot)
+        assert app.store.messages(app.chat.chat_id)[-1].finish == "length"
+        assert widget.source
