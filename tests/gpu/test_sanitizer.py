@@ -26,7 +26,7 @@ def test_attention_sanitizer_clean(tool):
     if exe is None:
         pytest.skip("compute-sanitizer not installed")
     # only our attention kernels are instrumented (torch's own kernels are not under test)
-    cmd = [exe, "--tool", tool, "--error-exitcode", "99", "--kernel-name", "regex:attn_",
+    cmd = [exe, "--tool", tool, "--error-exitcode", "99", "--kernel-name", "kns=attn_",
            sys.executable, str(SCRIPT)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     print(r.stdout[-4000:], r.stderr[-4000:])
