@@ -66,6 +66,7 @@ class _Streaming:
     widget: AssistantMessage
     stream: object          # textual MarkdownStream
     text: str = ""
+    batches: int = 0        # text batches that reached the screen (one per ~40 ms)
 
 
 class ChatScreen(Screen):
@@ -76,7 +77,8 @@ class ChatScreen(Screen):
     def __init__(self) -> None:
         super().__init__()
         self.chat_id: int | None = None
-        self.reply: _Streaming | None = None
+        self.reply: _Streaming | None = None       # the reply streaming now
+        self.last_reply: _Streaming | None = None  # the latest one, streaming or not
         self._gen = 0
 
     # --- layout ------------------------------------------------------------------------
@@ -202,7 +204,8 @@ class ChatScreen(Screen):
         await box.mount(widget)
         box.scroll_end(animate=False)   # a new turn follows the stream again
         self._gen += 1
-        self.reply = _Streaming(self._gen, msg_id, widget, Markdown.get_stream(widget))
+        self.reply = self.last_reply = _Streaming(self._gen, msg_id, widget,
+                                                  Markdown.get_stream(widget))
         self.perf.start_reply()
         s = app.settings
         self._generate(self._gen, history, text, s.sampler_params(), s.max_new_tokens,
@@ -227,6 +230,7 @@ class ChatScreen(Screen):
         store = self.app.store
         if isinstance(ev, Batch):
             if ev.text:
+                r.batches += 1
                 r.text += ev.text
                 store.update_message(r.msg_id, r.text)   # on disk before it is on screen
                 await r.stream.write(ev.text)

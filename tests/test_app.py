@@ -104,7 +104,7 @@ def greedy_reply(model_path: Path, history: list[dict], text: str, n: int) -> st
 # --- streaming ---------------------------------------------------------------------------
 @aio
 async def test_prompt_streams_a_reply_that_matches_the_engine(dirs, tiny_model_path):
-    n = 500
+    n = 300
     use_settings(max_new_tokens=n)
     app = NanoqwenApp(model=tiny_model_path)
     async with app.run_test(size=SIZE) as pilot:
@@ -116,17 +116,14 @@ async def test_prompt_streams_a_reply_that_matches_the_engine(dirs, tiny_model_p
         assert not app.chat.query_one("#loading").has_class("-active")
         await pilot.press(*"def add")
         widget = await send(app, pilot, None)
-        seen = set()
-        while app.chat.generating:   # what the Markdown widget shows while it streams
-            seen.add(widget.source)
-            await pilot.pause(0.01)
+        reply = app.chat.last_reply
         await reply_done(app, pilot)
         final = widget.source
         expected = greedy_reply(tiny_model_path, [], "def add", n)
         assert final == expected and final
-        partial = [s for s in seen if s and s != final]
-        assert partial, "the reply appeared only at the end, not streamed"
-        assert all(final.startswith(s) for s in seen)
+        # the text came in several batches (each ~40 ms of tokens), not one per token or
+        # all at the end; partial text on screen mid-stream is checked in the stop test
+        assert 1 < reply.batches < n
         chat = app.chat.chat_id
         msgs = app.store.messages(chat)
         assert [(m.role, m.content) for m in msgs] == [("user", "def add"), ("assistant", final)]
@@ -180,8 +177,9 @@ async def test_esc_stops_keeps_partial_reply_and_keys_work_while_streaming(dirs,
         await loaded(app, pilot)
         box = app.chat.query_one("#messages")
         await send(app, pilot, "go on")
-        r = app.chat.reply
-        await wait_for(pilot, lambda: len(r.text) > 20, 30, "some streamed text")
+        r = app.chat.last_reply
+        await wait_for(pilot, lambda: len(r.widget.source) > 20, 30, "streamed text on screen")
+        assert app.chat.generating and r.text.startswith(r.widget.source)
         # keys work while the reply streams: type into the prompt, Ctrl+J adds a newline
         await pilot.press("a", "b", "ctrl+j", "c")
         assert app.chat.query_one("#prompt", PromptInput).text == "ab\nc"
