@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--chat-copies", type=int, default=3, help="phrasings per train function")
     ap.add_argument("--n-requests", type=int, default=40)
     ap.add_argument("--max-files", type=int, default=0, help="0: all (smoke tests use a few)")
-    ap.add_argument("--max-mb", type=float, default=800, help="candidate bytes read at most")
+    ap.add_argument("--max-mb", type=float, default=700, help="candidate bytes read at most")
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     args = ap.parse_args()
     t0 = time.time()
@@ -103,7 +103,7 @@ def main() -> None:
     rs = roots()
     files = list_files(rs)
     n_listed = len(files)
-    sizes = {f: os.path.getsize(f) for f in files}
+    sizes = {f: os.path.getsize(f) if os.path.isfile(f) else -1 for f in files}  # -1: broken link
     reasons: dict[str, int] = {"size": sum(not 300 <= s <= 120_000 for s in sizes.values())}
     files = [f for f in files if 300 <= sizes[f] <= 120_000]
     rng = random.Random(args.seed)

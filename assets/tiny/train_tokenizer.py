@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--data", required=True, help="folder with docs.pkl")
     ap.add_argument("--out", required=True)
     ap.add_argument("--vocab-size", type=int, default=12288)
-    ap.add_argument("--sample-mb", type=float, default=80.0)
+    ap.add_argument("--sample-mb", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
     t0 = time.time()
