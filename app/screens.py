@@ -135,7 +135,8 @@ class HelpScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="help-dialog"):
             yield Label("Keys", id="help-title")
-            rows = "\n".join(f"[b]{key:<16}[/] {desc}" for key, desc in self.bindings)
+            width = max(len(key) for key, _ in self.bindings) + 2
+            rows = "\n".join(f"[b]{key:<{width}}[/]{desc}" for key, desc in self.bindings)
             yield Static(rows, id="help-keys")
             yield Static("[dim]Every action is also in the command palette (ctrl+p). "
                          "Click a code block to copy it. esc closes.[/]", id="help-footer")
