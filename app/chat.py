@@ -268,7 +268,10 @@ class ChatScreen(Screen):
         return True
 
     async def action_regenerate(self) -> None:
-        if not self._idle("regenerate") or self.chat_id is None:
+        if not self._idle("regenerate"):
+            return
+        if self.chat_id is None:
+            self.notify("There is no reply to regenerate yet", severity="warning")
             return
         if self.app.bridge is None:
             self.notify("No model is loaded: ctrl+l opens one", severity="warning")

@@ -535,3 +535,11 @@ async def test_engine_error_is_reported_and_the_app_stays_usable(dirs, tiny_mode
         await reply_done(app, pilot)
         assert app.store.messages(app.chat.chat_id)[-1].finish == "length"
         assert widget.source
+
+
+def test_console_script_help():
+    out = subprocess.run([sys.executable, "-m", "nanoqwen.app.main", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for flag in ("--model", "--backend", "--mode", "Enter sends"):
+        assert flag in out.stdout

@@ -1,0 +1,43 @@
+"""nanoqwen-chat headless on the CUDA backend: the perf panel shows graph and eager figures.
+
+One reply in graph mode, ctrl+g, one reply in eager mode: each reply's figures come from the
+engine's own timing (CUDA events) and are labelled with the mode the backend ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_app import SIZE, aio, dirs, loaded, reply_done, send, use_settings  # noqa: F401
+
+from nanoqwen.app.main import NanoqwenApp
+
+pytestmark = [pytest.mark.cuda]
+
+
+@aio
+async def test_perf_panel_shows_graph_and_eager_figures(dirs, tiny_model_path):
+    use_settings(max_new_tokens=64, decode_mode="graph")
+    app = NanoqwenApp(model=tiny_model_path, backend="cuda")
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        perf = app.chat.perf
+        assert perf.info.backend == "cuda" and set(perf.info.modes) == {"graph", "eager"}
+        assert app.bridge.mode == "graph"
+
+        figures = {}
+        for mode in ("graph", "eager"):
+            await send(app, pilot, f"reply in {mode} mode")
+            await reply_done(app, pilot)
+            last = perf.last
+            assert last.final and last.mode == mode
+            assert last.ttft_ms > 0 and last.median_ms > 0 and last.tokens_per_s > 0
+            assert len(perf.steps_ms) == last.n_generated - 1 > 0
+            shown = str(perf.query_one("#perf-decode").render())
+            assert "ms/tok" in shown and f"({mode})" in shown
+            figures[mode] = last.median_ms
+            if mode == "graph":
+                await pilot.press("ctrl+g")   # switch without a reload
+                await pilot.pause()
+                assert app.bridge.mode == "eager" and app.settings.decode_mode == "eager"
+        print(f"median ms/token: graph {figures['graph']:.3f}, eager {figures['eager']:.3f}")
