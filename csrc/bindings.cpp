@@ -78,7 +78,7 @@ const half* chp(const Tensor& t) { return reinterpret_cast<const half*>(t.data_p
 
 // ---- embedding / norm ------------------------------------------------------------------------
 
-void embed_gather(Tensor hidden, const Tensor& table, const Tensor& ids) {
+void embed_gather(Tensor& hidden, const Tensor& table, const Tensor& ids) {
   const char* op = "embed_gather";
   check_arg(op, "hidden", hidden, at::kFloat);
   check_arg(op, "table", table, at::kHalf);
@@ -96,7 +96,7 @@ void embed_gather(Tensor hidden, const Tensor& table, const Tensor& ids) {
                                           (int)table.size(0), stream_of(hidden)));
 }
 
-void rmsnorm(Tensor out, const Tensor& hidden, const Tensor& weight, double eps) {
+void rmsnorm(Tensor& out, const Tensor& hidden, const Tensor& weight, double eps) {
   const char* op = "rmsnorm";
   check_arg(op, "out", out, at::kHalf);
   check_arg(op, "hidden", hidden, at::kFloat);
@@ -127,7 +127,7 @@ void check_cache(const char* op, const Tensor& k_cache, const Tensor& v_cache) {
   TORCH_CHECK(D == 64 || D == 128, op, ": head_dim=", D, " is not supported (64 or 128)");
 }
 
-void rope_kv_write(Tensor q_out, Tensor k_cache, Tensor v_cache, const Tensor& qkv,
+void rope_kv_write(Tensor& q_out, Tensor& k_cache, Tensor& v_cache, const Tensor& qkv,
                    const Tensor& cos, const Tensor& sin, const Tensor& pos,
                    const Tensor& page_table) {
   const char* op = "rope_kv_write";
@@ -163,7 +163,7 @@ void rope_kv_write(Tensor q_out, Tensor k_cache, Tensor v_cache, const Tensor& q
                                            (int)T, (int)nh, (int)nkv, (int)D, stream_of(q_out)));
 }
 
-void paged_attention(Tensor out, Tensor ws_acc, Tensor ws_ml, const Tensor& q,
+void paged_attention(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, const Tensor& q,
                      const Tensor& k_cache, const Tensor& v_cache, const Tensor& page_table,
                      const Tensor& pos) {
   const char* op = "paged_attention";
@@ -198,7 +198,7 @@ void paged_attention(Tensor out, Tensor ws_acc, Tensor ws_ml, const Tensor& q,
 
 // ---- sampling / advance ---------------------------------------------------------------------
 
-void sample_token(Tensor out_token, Tensor work, const Tensor& logits, const Tensor& ctx_tokens,
+void sample_token(Tensor& out_token, Tensor& work, const Tensor& logits, const Tensor& ctx_tokens,
                   const Tensor& pos, const Tensor& params_f, const Tensor& params_i,
                   const Tensor& counter) {
   const char* op = "sample_token";
@@ -232,8 +232,8 @@ void sample_token(Tensor out_token, Tensor work, const Tensor& logits, const Ten
                                           counter.data_ptr<int64_t>(), stream_of(out_token)));
 }
 
-void advance_step(Tensor token_in, Tensor pos, Tensor ctx_tokens, Tensor counter,
-                  Tensor host_ring, const Tensor& sampled) {
+void advance_step(Tensor& token_in, Tensor& pos, Tensor& ctx_tokens, Tensor& counter,
+                  Tensor& host_ring, const Tensor& sampled) {
   const char* op = "advance_step";
   check_arg(op, "token_in", token_in, at::kInt);
   check_arg(op, "pos", pos, at::kInt);
@@ -285,7 +285,7 @@ void check_int4(const char* op, const Tensor& x, const Tensor& qweight, const Te
 
 const uint32_t* qw(const Tensor& t) { return reinterpret_cast<const uint32_t*>(t.data_ptr()); }
 
-void gemv_int4(Tensor y, const Tensor& x, const Tensor& qweight, const Tensor& scales,
+void gemv_int4(Tensor& y, const Tensor& x, const Tensor& qweight, const Tensor& scales,
                const c10::optional<Tensor>& bias) {
   const char* op = "gemv_int4";
   int64_t n, k;
@@ -305,7 +305,7 @@ void gemv_int4(Tensor y, const Tensor& x, const Tensor& qweight, const Tensor& s
                                stream_of(y)), true);
 }
 
-void gemv_int4_residual(Tensor hidden, const Tensor& x, const Tensor& qweight,
+void gemv_int4_residual(Tensor& hidden, const Tensor& x, const Tensor& qweight,
                         const Tensor& scales) {
   const char* op = "gemv_int4_residual";
   int64_t n, k;
@@ -318,7 +318,7 @@ void gemv_int4_residual(Tensor hidden, const Tensor& x, const Tensor& qweight,
                                         chp(scales), (int)n, (int)k, stream_of(hidden)), true);
 }
 
-void gemv_int4_silu_mul(Tensor out, const Tensor& x, const Tensor& qw_gate, const Tensor& sc_gate,
+void gemv_int4_silu_mul(Tensor& out, const Tensor& x, const Tensor& qw_gate, const Tensor& sc_gate,
                         const Tensor& qw_up, const Tensor& sc_up) {
   const char* op = "gemv_int4_silu_mul";
   int64_t n, k, n2, k2;
@@ -333,7 +333,7 @@ void gemv_int4_silu_mul(Tensor out, const Tensor& x, const Tensor& qw_gate, cons
                                         chp(sc_up), (int)n, (int)k, stream_of(out)), true);
 }
 
-void gemv_fp16(Tensor logits, const Tensor& x, const Tensor& w) {
+void gemv_fp16(Tensor& logits, const Tensor& x, const Tensor& w) {
   const char* op = "gemv_fp16";
   check_arg(op, "logits", logits, at::kFloat);
   check_arg(op, "x", x, at::kHalf);
@@ -349,7 +349,7 @@ void gemv_fp16(Tensor logits, const Tensor& x, const Tensor& w) {
                                stream_of(logits)), true);
 }
 
-void dequant_int4(Tensor w, const Tensor& qweight, const Tensor& scales) {
+void dequant_int4(Tensor& w, const Tensor& qweight, const Tensor& scales) {
   const char* op = "dequant_int4";
   check_arg(op, "w", w, at::kHalf);
   check_arg(op, "qweight", qweight, at::kInt);
@@ -372,16 +372,16 @@ TORCH_LIBRARY(nanoqwen, m) {
   // token ids -> fp32 residual rows (decode: T=1 reading the id the last step sampled)
   m.def("embed_gather(Tensor! hidden, Tensor table, Tensor ids) -> ()");
   // fp32 residual rows -> fp16 normed rows (input/post-attention/final norm)
-  m.def("rmsnorm(Tensor! out, Tensor hidden, Tensor weight, float eps) -> ()");
+  m.def("rmsnorm(Tensor! out, Tensor& hidden, Tensor weight, float eps) -> ()");
   // RoPE on q,k of qkv rows at positions pos.. + write k,v into the layer's 16-token pages
   m.def("rope_kv_write(Tensor! q_out, Tensor! k_cache, Tensor! v_cache, Tensor qkv, Tensor cos, "
-        "Tensor sin, Tensor pos, Tensor page_table) -> ()");
+        "Tensor sin, Tensor& pos, Tensor page_table) -> ()");
   // split-K paged GQA decode attention of the token at pos over positions 0..pos
-  m.def("paged_attention(Tensor! out, Tensor! ws_acc, Tensor! ws_ml, Tensor q, Tensor k_cache, "
-        "Tensor v_cache, Tensor page_table, Tensor pos) -> ()");
+  m.def("paged_attention(Tensor! out, Tensor! ws_acc, Tensor! ws_ml, Tensor q, Tensor& k_cache, "
+        "Tensor& v_cache, Tensor page_table, Tensor& pos) -> ()");
   // penalty/greedy/top-k/top-p/min-p/temperature sampling with params in device memory
-  m.def("sample_token(Tensor! out_token, Tensor! work, Tensor logits, Tensor ctx_tokens, "
-        "Tensor pos, Tensor params_f, Tensor params_i, Tensor counter) -> ()");
+  m.def("sample_token(Tensor! out_token, Tensor! work, Tensor& logits, Tensor& ctx_tokens, "
+        "Tensor& pos, Tensor params_f, Tensor params_i, Tensor& counter) -> ()");
   // end of step: sampled id -> next input, pos += 1, context ids, pinned host ring, counter += 1
   m.def("advance_step(Tensor! token_in, Tensor! pos, Tensor! ctx_tokens, Tensor! counter, "
         "Tensor! host_ring, Tensor sampled) -> ()");
@@ -393,7 +393,7 @@ TORCH_LIBRARY(nanoqwen, m) {
   m.def("gemv_int4_silu_mul(Tensor! out, Tensor x, Tensor qw_gate, Tensor sc_gate, Tensor qw_up, "
         "Tensor sc_up) -> ()");
   // fp16 lm_head GEMV to fp32 logits
-  m.def("gemv_fp16(Tensor! logits, Tensor x, Tensor w) -> ()");
+  m.def("gemv_fp16(Tensor! logits, Tensor x, Tensor& w) -> ()");
   // INT4 -> fp16 weight (prefill feeds cuBLAS with it)
   m.def("dequant_int4(Tensor! w, Tensor qweight, Tensor scales) -> ()");
 }
