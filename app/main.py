@@ -242,6 +242,10 @@ class NanoqwenApp(App[None]):
         yield SystemCommand("Help", "Show the key bindings", self.action_help)
 
     def on_unmount(self) -> None:
+        # Quitting mid-reply is a stop: the text is on disk already; record how it ended.
+        reply = getattr(self, "chat", None) and self.chat.reply
+        if reply:
+            self.store.update_message(reply.msg_id, reply.text, finish="cancelled")
         if self.bridge is not None:
             self.bridge.cancel()
 

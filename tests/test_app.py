@@ -102,6 +102,7 @@ def greedy_reply(model_path: Path, history: list[dict], text: str, n: int) -> st
 
 
 # --- streaming ---------------------------------------------------------------------------
+@pytest.mark.slow
 @aio
 async def test_prompt_streams_a_reply_that_matches_the_engine(dirs, tiny_model_path):
     n = 300
@@ -163,6 +164,7 @@ def test_bridge_batches_text_every_40ms_not_per_token(tiny_model_path):
     assert len(times) <= 80
 
 
+@pytest.mark.slow
 @aio
 async def test_esc_stops_keeps_partial_reply_and_keys_work_while_streaming(dirs, tiny_model_path):
     use_settings(max_new_tokens=3000)
@@ -312,6 +314,21 @@ asyncio.run(main())
 """
 
 
+@aio
+async def test_quitting_mid_reply_keeps_it_as_stopped(dirs, tiny_model_path):
+    use_settings(max_new_tokens=3000)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        await send(app, pilot, "go")
+        r = app.chat.last_reply
+        await wait_for(pilot, lambda: len(r.text) > 10, 30, "some streamed text")
+        await pilot.press("ctrl+q")
+    m = ChatStore().messages(app.chat.chat_id)[-1]
+    assert m.finish == "cancelled" and m.content.startswith(r.text[:10])
+
+
+@pytest.mark.slow
 @aio
 async def test_killed_mid_reply_keeps_what_was_shown(dirs, tiny_model_path):
     use_settings(max_new_tokens=4000)
