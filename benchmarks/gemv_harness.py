@@ -448,6 +448,13 @@ def main():
     log(f"== summary ({results['device']}, {results['date']}, commit {commit}) ==")
     log(f"correctness: {'ALL PASS' if not fails else f'{len(fails)} FAIL: ' + '; '.join(fails[:8])}")
     if rows:
+        # every variant x shape (us), so one run's tail carries the whole comparison
+        shapes = list(dict.fromkeys(r["shape"] for r in rows))
+        table = {(r["shape"], r["variant"]): r["us"] for r in rows}
+        names = list(dict.fromkeys(r["variant"] for r in rows if r["variant"] != "LAUNCHER"))
+        log(f"{'variant (us)':<20}" + "".join(f"{s.split()[0]:>9}" for s in shapes))
+        for v in names + ["LAUNCHER"]:
+            log(f"{v:<20}" + "".join(f"{table[(s, v)]:9.2f}" if (s, v) in table else f"{'-':>9}" for s in shapes))
         best = {}
         for r in rows:
             if r["variant"] != "LAUNCHER" and (r["shape"] not in best or r["us"] < best[r["shape"]]["us"]):

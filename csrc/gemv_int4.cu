@@ -242,6 +242,208 @@ __global__ void __launch_bounds__(kThreads) gemv_int4_kernel(const Args a) {
   }
 }
 
+// ---- v3: tensor-core path (mma.sync m16n8k16, fp32 accumulation) -------------------------------
+// A 16-row tile per warp: lane (g = lane/4, t = lane%4) owns rows g and g+8 of the tile and, for
+// group G, the 16-byte chunk t of that group (k = 128G + 32t .. +31) in both rows. Because the dot
+// product is a sum, the k order inside one mma is free as long as A and B agree: thread t's A
+// elements are words of its own chunk and its B elements the matching x, identical for all 8 B
+// columns, so every column of D is the dot product (D[g][*] = row g, D[g+8][*] = row g+8) and the
+// k-sum across the 4 lanes of a row happens inside the tensor core: no shuffles, fp32 sums.
+// A group is exactly one mma chain per row pair (8 mmas per lane), so the group scale is applied
+// once per group in fp32: acc += s * D_group.
+// Word j of a chunk (k = 8j..8j+7): lo0 = (w & 0x000F000F)|0x64006400 -> 1024+u at k {0,1},
+// hi0 = (w & 0x00F000F0)|0x64006400 -> 1024+16u at k {2,3}; the same on w>>8 for k {4,5}, {6,7}.
+//   DQ_EXACT (Marlin): q = lo - 1032 (hsub2), q = hi/16 - 72 (hfma2): exact q in fp16, one mma per
+//     k-quad: A = {q(g)k01, q(g+8)k01, q(g)k23, q(g+8)k23}, B = {x01, x23}.  10 instr / 8 weights.
+//   DQ_CORR: no fp16 subtraction at all. lo and hi values go to two mma chains as they are
+//     (A_lo = {lo0 g, lo0 g+8, lo1 g, lo1 g+8} with B = {x01, x45}; A_hi likewise with {x23, x67}),
+//     and the offsets are removed by starting the chains at C_lo = -1032*sum(x_lo),
+//     C_hi = -1152*sum(x_hi) -- themselves one mma each per k-slice with a constant A, computed
+//     once per group per warp (shared by the warp's tiles). Then D = D_lo + D_hi/16 exactly as math;
+//     the tensor core sums products of size ~1024|x| in fp32: relative error ~1e-5..1e-4.
+//     6 instr / 8 weights + 8 mmas per group per warp.
+// K is split across the KS warps of a block (warp s takes groups s, s+KS, ...), so n = 3584 still
+// gives 224 blocks x KS warps; partial sums meet in shared memory in fixed order (deterministic).
+// Each warp stages the x of its own groups into shared memory (transposed so the four lanes of a
+// row read 64 contiguous bytes) after issuing its first D groups of weight loads; a ring of D
+// groups of weights (16 B per row per lane) stays in flight.
+enum { DQ_EXACT = 0, DQ_CORR = 1 };
+
+__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int NM, int RT, int KS, int D, int DQ, int OP>
+// at least 16 warps per SM (<= 128 registers): enough warps to hide the mma and load latencies
+__global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tc_kernel(const Args a) {
+  // shared memory: x [k/8 uint4] (per group [j][t] transposed); float red[KS][NM][RT][16];
+  // half2 scales[KS][ceil(G/KS)][NM][RT][8]
+  extern __shared__ uint4 xs[];
+  const int lane = threadIdx.x & 31, s = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int C = a.k >> 5, G = a.k >> 7;
+  const int row0 = blockIdx.x * (16 * RT);
+  const uint4* wp[NM][RT][2];
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // rows past n (last block only) re-read row n-1; their sums are never stored
+        const size_t row = (size_t)min(row0 + 16 * r + g + 8 * h, a.n - 1);
+        wp[m][r][h] = reinterpret_cast<const uint4*>(m ? a.qw2 : a.qw) + row * C + 4 * s + t;
+      }
+  const int cnt = s < G ? (G - s + KS - 1) / KS : 0;  // this warp's groups: s, s+KS, ...
+  float* red = reinterpret_cast<float*>(xs + (a.k >> 3));
+  half2* ss = reinterpret_cast<half2*>(red + KS * NM * RT * 16) + s * ((G + KS - 1) / KS) * NM * RT * 8;
+
+  uint4 wv[D][NM][RT][2];
+  // loads happen in group order, so each row pointer just advances by KS groups (4 chunks each)
+  auto load = [&](int d) {
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+      for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          wv[d][m][r][h] = ld_weights(wp[m][r][h]);
+          wp[m][r][h] += 4 * KS;
+        }
+  };
+#pragma unroll
+  for (int d = 0; d < D; ++d)
+    if (d < cnt) load(d);
+  {  // stage this warp's x: 16 pieces per group, piece p = 4t + j stored at 4j + t; for DQ_CORR
+     // the words of a piece are reordered to (x01, x45, x23, x67) so that each mma's B operand
+     // (x01, x45) / (x23, x67) is a register pair as loaded (no moves)
+    const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
+    const int p = lane & 15;
+    for (int i = lane >> 4; i < cnt; i += 2) {
+      const int gi = s + i * KS;
+      uint4 v = __ldg(x4 + gi * 16 + p);
+      if constexpr (DQ == DQ_CORR) v = make_uint4(v.x, v.z, v.y, v.w);
+      xs[gi * 16 + (p & 3) * 4 + (p >> 2)] = v;
+    }
+    // and its scales, as half2 (row g, row g+8) per (group, matrix, tile, g): one LDS per use
+    constexpr int E = NM * RT * 8;  // entries per group
+    for (int e = lane; e < cnt * E; e += 32) {
+      const int i = e / E, m = (e / (RT * 8)) % NM, r = (e / 8) % RT, gg = e % 8;
+      const half* scm = m ? a.sc2 : a.sc;
+      const size_t rlo = (size_t)min(row0 + 16 * r + gg, a.n - 1);
+      const size_t rhi = (size_t)min(row0 + 16 * r + gg + 8, a.n - 1);
+      const int gi = s + i * KS;
+      ss[e] = __halves2half2(__ldg(scm + rlo * G + gi), __ldg(scm + rhi * G + gi));
+    }
+    __syncwarp();
+  }
+
+  float acc[NM][RT][2];
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+#pragma unroll
+    for (int r = 0; r < RT; ++r) acc[m][r][0] = acc[m][r][1] = 0.f;
+
+  const uint32_t kLo = 0x64006400u;
+  for (int i0 = 0; i0 < cnt; i0 += D) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      const int i = i0 + d;
+      if (i < cnt) {
+        const int gi = s + i * KS;
+        uint4 xv[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) xv[j] = xs[gi * 16 + j * 4 + t];
+        // DQ_CORR: K = -(1032 * sum(x at lo positions) + 72 * sum(x at hi positions)), the same
+        // for every row: two mma chains with a constant A = -1032 (one constant register quad)
+        float kc = 0.f;
+        if constexpr (DQ == DQ_CORR) {
+          const uint32_t nlo = 0xE408E408u;  // half2(-1032, -1032)
+          float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            mma16816(c0, nlo, nlo, nlo, nlo, xv[j].x, xv[j].y);
+            mma16816(c1, nlo, nlo, nlo, nlo, xv[j].z, xv[j].w);
+          }
+          kc = fmaf(c1[0], 72.f / 1032.f, c0[0]);
+        }
+#pragma unroll
+        for (int m = 0; m < NM; ++m)
+#pragma unroll
+          for (int r = 0; r < RT; ++r) {
+            float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+            const uint32_t wa[4] = {wv[d][m][r][0].x, wv[d][m][r][0].y, wv[d][m][r][0].z,
+                                    wv[d][m][r][0].w};
+            const uint32_t wb[4] = {wv[d][m][r][1].x, wv[d][m][r][1].y, wv[d][m][r][1].z,
+                                    wv[d][m][r][1].w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const uint32_t a8 = wa[j] >> 8, b8 = wb[j] >> 8;
+              uint32_t alo0 = lop3_and_or(wa[j], 0x000F000Fu, kLo), ahi0 = lop3_and_or(wa[j], 0x00F000F0u, kLo);
+              uint32_t alo1 = lop3_and_or(a8, 0x000F000Fu, kLo), ahi1 = lop3_and_or(a8, 0x00F000F0u, kLo);
+              uint32_t blo0 = lop3_and_or(wb[j], 0x000F000Fu, kLo), bhi0 = lop3_and_or(wb[j], 0x00F000F0u, kLo);
+              uint32_t blo1 = lop3_and_or(b8, 0x000F000Fu, kLo), bhi1 = lop3_and_or(b8, 0x00F000F0u, kLo);
+              if constexpr (DQ == DQ_CORR) {
+                mma16816(d0, alo0, blo0, alo1, blo1, xv[j].x, xv[j].y);
+                mma16816(d1, ahi0, bhi0, ahi1, bhi1, xv[j].z, xv[j].w);
+              } else {
+                const half2 k1032 = as_h2(0x64086408u), k16 = as_h2(0x2C002C00u), k72 = as_h2(0xD480D480u);
+                auto lo = [&](uint32_t v) { const half2 q = __hsub2(as_h2(v), k1032); return *reinterpret_cast<const uint32_t*>(&q); };
+                auto hi = [&](uint32_t v) { const half2 q = __hfma2(as_h2(v), k16, k72); return *reinterpret_cast<const uint32_t*>(&q); };
+                mma16816(d0, lo(alo0), lo(blo0), hi(ahi0), hi(bhi0), xv[j].x, xv[j].y);
+                mma16816(d1, lo(alo1), lo(blo1), hi(ahi1), hi(bhi1), xv[j].z, xv[j].w);
+              }
+            }
+            const float f1 = DQ == DQ_CORR ? 0.0625f : 1.f;
+            const float2 sc2 = __half22float2(ss[(i * NM + m) * RT * 8 + r * 8 + g]);
+            acc[m][r][0] = fmaf(sc2.x, fmaf(d1[0], f1, d0[0]) + kc, acc[m][r][0]);
+            acc[m][r][1] = fmaf(sc2.y, fmaf(d1[2], f1, d0[2]) + kc, acc[m][r][1]);
+          }
+        if (i + D < cnt) load(d);
+      }
+    }
+  }
+
+  // split-K: partial sums of the KS warps meet in shared memory, summed in warp order
+  if (t == 0) {
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        red[((s * NM + m) * RT + r) * 16 + g] = acc[m][r][0];
+        red[((s * NM + m) * RT + r) * 16 + g + 8] = acc[m][r][1];
+      }
+  }
+  __syncthreads();
+  const int tid = threadIdx.x;
+  if (tid < 16 * RT) {
+    const int row = row0 + tid;
+    if (row < a.n) {
+      float v[NM];
+#pragma unroll
+      for (int m = 0; m < NM; ++m) {
+        v[m] = 0.f;
+#pragma unroll
+        for (int w = 0; w < KS; ++w) v[m] += red[(w * NM + m) * RT * 16 + tid];
+      }
+      if constexpr (OP == OP_STORE) {
+        float y = v[0];
+        if (a.bias) y += __half2float(a.bias[row]);
+        static_cast<half*>(a.out)[row] = __float2half_rn(y);
+      } else if constexpr (OP == OP_RESID) {
+        static_cast<float*>(a.out)[row] += v[0];
+      } else {
+        const float gt = v[0], up = v[NM - 1];
+        static_cast<half*>(a.out)[row] = __float2half_rn(gt / (1.f + __expf(-gt)) * up);
+      }
+    }
+  }
+}
+
 // One thread per 16-byte chunk: 32 outputs, written as four 16-byte stores.
 __global__ void __launch_bounds__(256) dequant_int4_kernel(half* w, const uint4* qw, const half* sc,
                                                            size_t total_chunks, int C, int G) {
@@ -289,6 +491,25 @@ cudaError_t launch_op(const Args& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+constexpr int tc_smem_bytes(int k, int nm, int rt, int ks) {
+  return k * 2 + ks * nm * rt * 16 * 4 + ks * ((k / 128 + ks - 1) / ks) * nm * rt * 8 * 4;
+}
+
+template <int NM, int RT, int KS, int D, int DQ, int OP>
+cudaError_t launch_tc_op(const Args& a, cudaStream_t stream) {
+  auto kern = gemv_int4_tc_kernel<NM, RT, KS, D, DQ, OP>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemBytes);
+  if (attr != cudaSuccess) return attr;
+  const int smem = tc_smem_bytes(a.k, NM, RT, KS);
+  const dim3 grid((a.n + 16 * RT - 1) / (16 * RT)), block(KS * 32);
+  kern<<<grid, block, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <int RT, int KS, int D, int DQ>
+cudaError_t launch_tc(int op, const Args& a, cudaStream_t stream);
+
 template <int R, int U, int ACC, bool XS>
 cudaError_t launch_int4(int op, const Args& a, cudaStream_t stream) {
   // k beyond the shared-memory limit (none in the Qwen2.5 family) falls back to x from L1
@@ -301,27 +522,54 @@ cudaError_t launch_int4(int op, const Args& a, cudaStream_t stream) {
   }
 }
 
+template <int RT, int KS, int D, int DQ>
+cudaError_t launch_tc(int op, const Args& a, cudaStream_t stream) {
+  // x (k*2 bytes) must fit in shared memory; beyond that (no Qwen2.5 shape) the v2 kernel with x
+  // from L1 takes over
+  if (tc_smem_bytes(a.k, 2, RT, KS) > kMaxSmemBytes) return launch_int4<1, 2, ACC_H16W, false>(op, a, stream);
+  switch (op) {
+    case OP_STORE: return launch_tc_op<1, RT, KS, D, DQ, OP_STORE>(a, stream);
+    case OP_RESID: return launch_tc_op<1, RT, KS, D, DQ, OP_RESID>(a, stream);
+    case OP_SILU: return launch_tc_op<2, RT, KS, D, DQ, OP_SILU>(a, stream);
+    default: return gemv_fail_("gemv_int4: op=%d is not 0 (store), 1 (residual) or 2 (silu_mul)", op);
+  }
+}
+
 struct Int4Variant {
   const char* name;
   cudaError_t (*launch)(int, const Args&, cudaStream_t);
 };
 
-// Index 0 is what the engine's launchers use (chosen from the measurements in GEMV_NOTES.md).
+// launcher_variant() below picks which of these the engine's launchers use.
 const Int4Variant kInt4Variants[] = {
-    // x staged in shared memory, transposed (v2); index 0 = fastest on 3 of the 4 7B shapes in
-    // run 2 (d0d40e9) and within 3% of the best on down_proj
+    // v2 launcher (run 2, d0d40e9), the control: x in shared memory, warp per row, fp16 products
     {"smem_R1_U2_h16word", launch_int4<1, 2, ACC_H16W, true>},
     {"smem_R2_U2_h16word", launch_int4<2, 2, ACC_H16W, true>},
-    {"smem_R2_U2_f32", launch_int4<2, 2, ACC_F32, true>},
-    {"smem_R2_U4_h16word", launch_int4<2, 4, ACC_H16W, true>},
-    {"smem_R4_U2_h16word", launch_int4<4, 2, ACC_H16W, true>},
-    {"smem_R1_U4_f32", launch_int4<1, 4, ACC_F32, true>},
-    {"smem_R2_U2_h16chunk", launch_int4<2, 2, ACC_H16C, true>},
-    // x read from global through L1 with a 64-byte lane stride (v1)
     {"L1_R2_U2_h16word", launch_int4<2, 2, ACC_H16W, false>},
-    {"L1_R1_U4_h16word", launch_int4<1, 4, ACC_H16W, false>},
+    // v3: tensor cores, fp32 sums; tc_<dequant>_R<16-row tiles per warp>_K<warps splitting K in a
+    // block>_D<groups of weight loads in flight per warp>
+    {"tc_corr_R1_K8_D4", launch_tc<1, 8, 4, DQ_CORR>},
+    {"tc_corr_R1_K4_D4", launch_tc<1, 4, 4, DQ_CORR>},
+    {"tc_corr_R1_K4_D8", launch_tc<1, 4, 8, DQ_CORR>},
+    {"tc_corr_R1_K16_D4", launch_tc<1, 16, 4, DQ_CORR>},
+    {"tc_corr_R2_K4_D2", launch_tc<2, 4, 2, DQ_CORR>},
+    {"tc_corr_R2_K8_D2", launch_tc<2, 8, 2, DQ_CORR>},
+    {"tc_exact_R1_K8_D4", launch_tc<1, 8, 4, DQ_EXACT>},
+    {"tc_exact_R1_K4_D4", launch_tc<1, 4, 4, DQ_EXACT>},
 };
 constexpr int kNumInt4Variants = sizeof(kInt4Variants) / sizeof(kInt4Variants[0]);
+
+// The variant each launcher uses (index into kInt4Variants), per op and, for the residual GEMVs,
+// per k (o_proj k = 3584 vs down_proj k = 18944): chosen from the measurements in GEMV_NOTES.md.
+constexpr int kStoreVariant = 0;       // qkv
+constexpr int kResidSmallKVariant = 0; // o_proj (k <= 8192)
+constexpr int kResidLargeKVariant = 0; // down_proj
+constexpr int kSiluVariant = 0;        // gate/up
+int launcher_variant(int op, int k) {
+  if (op == OP_STORE) return kStoreVariant;
+  if (op == OP_RESID) return k <= 8192 ? kResidSmallKVariant : kResidLargeKVariant;
+  return kSiluVariant;
+}
 
 bool misaligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) != 0; }
 
@@ -346,14 +594,14 @@ extern "C" {
 cudaError_t gemv_int4(half* y, const half* x, const uint32_t* qweight, const half* scales,
                       const half* bias, int n, int k, cudaStream_t stream) {
   if (cudaError_t e = check_int4("gemv_int4", y, x, qweight, scales, n, k)) return e;
-  return kInt4Variants[0].launch(OP_STORE, Args{y, x, qweight, scales, nullptr, nullptr, bias, n, k},
+  return kInt4Variants[launcher_variant(OP_STORE, k)].launch(OP_STORE, Args{y, x, qweight, scales, nullptr, nullptr, bias, n, k},
                                  stream);
 }
 
 cudaError_t gemv_int4_residual(float* hidden, const half* x, const uint32_t* qweight,
                                const half* scales, int n, int k, cudaStream_t stream) {
   if (cudaError_t e = check_int4("gemv_int4_residual", hidden, x, qweight, scales, n, k)) return e;
-  return kInt4Variants[0].launch(
+  return kInt4Variants[launcher_variant(OP_RESID, k)].launch(
       OP_RESID, Args{hidden, x, qweight, scales, nullptr, nullptr, nullptr, n, k}, stream);
 }
 
@@ -364,7 +612,7 @@ cudaError_t gemv_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate
   if (!qw_up || !sc_up || misaligned16(qw_up))
     return gemv_fail_("gemv_int4_silu_mul: up matrix qweight=%p (16-byte aligned) and scales=%p "
                       "must be non-null", (const void*)qw_up, (const void*)sc_up);
-  return kInt4Variants[0].launch(OP_SILU, Args{out, x, qw_gate, sc_gate, qw_up, sc_up, nullptr, n, k},
+  return kInt4Variants[launcher_variant(OP_SILU, k)].launch(OP_SILU, Args{out, x, qw_gate, sc_gate, qw_up, sc_up, nullptr, n, k},
                                  stream);
 }
 
