@@ -372,16 +372,16 @@ TORCH_LIBRARY(nanoqwen, m) {
   // token ids -> fp32 residual rows (decode: T=1 reading the id the last step sampled)
   m.def("embed_gather(Tensor! hidden, Tensor table, Tensor ids) -> ()");
   // fp32 residual rows -> fp16 normed rows (input/post-attention/final norm)
-  m.def("rmsnorm(Tensor! out, Tensor& hidden, Tensor weight, float eps) -> ()");
+  m.def("rmsnorm(Tensor! out, Tensor hidden, Tensor weight, float eps) -> ()");
   // RoPE on q,k of qkv rows at positions pos.. + write k,v into the layer's 16-token pages
   m.def("rope_kv_write(Tensor! q_out, Tensor! k_cache, Tensor! v_cache, Tensor qkv, Tensor cos, "
-        "Tensor sin, Tensor& pos, Tensor page_table) -> ()");
+        "Tensor sin, Tensor pos, Tensor page_table) -> ()");
   // split-K paged GQA decode attention of the token at pos over positions 0..pos
-  m.def("paged_attention(Tensor! out, Tensor! ws_acc, Tensor! ws_ml, Tensor q, Tensor& k_cache, "
-        "Tensor& v_cache, Tensor page_table, Tensor& pos) -> ()");
+  m.def("paged_attention(Tensor! out, Tensor! ws_acc, Tensor! ws_ml, Tensor q, Tensor k_cache, "
+        "Tensor v_cache, Tensor page_table, Tensor pos) -> ()");
   // penalty/greedy/top-k/top-p/min-p/temperature sampling with params in device memory
-  m.def("sample_token(Tensor! out_token, Tensor! work, Tensor& logits, Tensor& ctx_tokens, "
-        "Tensor& pos, Tensor params_f, Tensor params_i, Tensor& counter) -> ()");
+  m.def("sample_token(Tensor! out_token, Tensor! work, Tensor logits, Tensor ctx_tokens, "
+        "Tensor pos, Tensor params_f, Tensor params_i, Tensor counter) -> ()");
   // end of step: sampled id -> next input, pos += 1, context ids, pinned host ring, counter += 1
   m.def("advance_step(Tensor! token_in, Tensor! pos, Tensor! ctx_tokens, Tensor! counter, "
         "Tensor! host_ring, Tensor sampled) -> ()");
@@ -393,7 +393,7 @@ TORCH_LIBRARY(nanoqwen, m) {
   m.def("gemv_int4_silu_mul(Tensor! out, Tensor x, Tensor qw_gate, Tensor sc_gate, Tensor qw_up, "
         "Tensor sc_up) -> ()");
   // fp16 lm_head GEMV to fp32 logits
-  m.def("gemv_fp16(Tensor! logits, Tensor x, Tensor& w) -> ()");
+  m.def("gemv_fp16(Tensor! logits, Tensor x, Tensor w) -> ()");
   // INT4 -> fp16 weight (prefill feeds cuBLAS with it)
   m.def("dequant_int4(Tensor! w, Tensor qweight, Tensor scales) -> ()");
 }
