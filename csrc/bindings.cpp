@@ -4,14 +4,20 @@
 // the torch-free launcher on the current CUDA stream of the tensors' device, and turns a
 // failed launch into a RuntimeError naming the op. Schemas: outputs first, mutated `Tensor!`,
 // no return values (outputs are preallocated, so every op is safe inside CUDA-graph capture).
+//
+// No iostreams here: on the GPU machine a std::ostringstream instantiated in this library
+// crashed inside libstdc++'s locale code (H200 run, 2026-12-02: SIGSEGV in
+// basic_ostream::_M_insert<long> from check_dims). Messages are built with std::string and
+// std::to_string and handed to TORCH_CHECK as one std::string, which c10::str passes through
+// without a stream.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <cmath>
-#include <sstream>
 #include <string>
+#include <type_traits>
 
 #include "gemv.h"
 #include "kernels.h"
@@ -21,20 +27,49 @@ namespace nanoqwen_ops {
 using at::Tensor;
 using Ts = std::initializer_list<const Tensor*>;
 
+inline void app(std::string& s, const char* v) { s += v; }
+inline void app(std::string& s, const std::string& v) { s += v; }
+inline void app(std::string& s, bool v) { s += v ? "true" : "false"; }
+template <typename T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool>, int> = 0>
+inline void app(std::string& s, T v) { s += std::to_string(v); }
+inline void app(std::string& s, double v) { s += std::to_string(v); }
+inline void app(std::string& s, at::ScalarType v) { s += at::toString(v); }
+inline void app(std::string& s, const c10::Device& d) { s += d.str(); }
+inline void app(std::string& s, c10::IntArrayRef v) {
+  s += "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  s += "]";
+}
+
+// Raise a c10::Error (RuntimeError in Python) whose message is the concatenation of `a...`.
+template <typename... A>
+void fail(const A&... a) {
+  std::string msg;
+  (app(msg, a), ...);
+  TORCH_CHECK(false, msg);
+}
+
+// TORCH_CHECK without c10::str's stream: the message is only built when `cond` fails.
+#define NQ_CHECK(cond, ...) \
+  do {                      \
+    if (!(cond)) fail(__VA_ARGS__); \
+  } while (0)
+
 std::string shape_str(const Tensor& t) {
-  std::ostringstream s;
-  s << "[";
-  for (int64_t i = 0; i < t.dim(); ++i) s << (i ? ", " : "") << t.size(i);
-  s << "]";
-  return s.str();
+  std::string s;
+  app(s, t.sizes());
+  return s;
 }
 
 // device (CUDA), dtype and contiguity of one argument
 void check_arg(const char* op, const char* name, const Tensor& t, at::ScalarType dtype) {
-  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", at::toString(dtype),
+  NQ_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got device ", t.device());
+  NQ_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", at::toString(dtype),
               ", got ", at::toString(t.scalar_type()));
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous (shape ", shape_str(t),
+  NQ_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous (shape ", shape_str(t),
               ", strides ", t.strides(), ")");
 }
 
@@ -46,19 +81,19 @@ void check_dims(const char* op, const char* name, const Tensor& t,
     if (ok && d >= 0 && t.size(i) != d) ok = false;
     ++i;
   }
-  std::ostringstream want;
-  want << "[";
+  if (ok) return;
+  std::string want = "[";
   i = 0;
   for (int64_t d : dims) {
-    want << (i++ ? ", " : "");
-    if (d >= 0) want << d; else want << "*";
+    if (i++) want += ", ";
+    want += d >= 0 ? std::to_string(d) : std::string("*");
   }
-  want << "]";
-  TORCH_CHECK(ok, op, ": ", name, " has shape ", shape_str(t), ", expected ", want.str());
+  want += "]";
+  fail(op, ": ", name, " has shape ", shape_str(t), ", expected ", want);
 }
 
 void same_device(const char* op, const Tensor& a, const Tensor& b, const char* bname) {
-  TORCH_CHECK(a.device() == b.device(), op, ": ", bname, " is on ", b.device(),
+  NQ_CHECK(a.device() == b.device(), op, ": ", bname, " is on ", b.device(),
               " but the output is on ", a.device());
 }
 
@@ -66,7 +101,7 @@ void check_launch(const char* op, cudaError_t err, bool gemv = false) {
   if (err == cudaSuccess) return;
   std::string extra;
   if (gemv && err == cudaErrorInvalidValue) extra = std::string(" (") + gemv_last_error_message() + ")";
-  TORCH_CHECK(false, "nanoqwen::", op, " failed: ", cudaGetErrorString(err), extra);
+  fail("nanoqwen::", op, " failed: ", cudaGetErrorString(err), extra);
 }
 
 cudaStream_t stream_of(const Tensor& t) {
@@ -87,7 +122,7 @@ void embed_gather(Tensor& hidden, const Tensor& table, const Tensor& ids) {
   check_dims(op, "ids", ids, {-1});
   const int64_t T = ids.size(0), H = table.size(1);
   check_dims(op, "hidden", hidden, {T, H});
-  TORCH_CHECK(H % 8 == 0, op, ": hidden size ", H, " is not a multiple of 8");
+  NQ_CHECK(H % 8 == 0, op, ": hidden size ", H, " is not a multiple of 8");
   same_device(op, hidden, table, "table");
   same_device(op, hidden, ids, "ids");
   const c10::cuda::CUDAGuard g(hidden.device());
@@ -105,9 +140,9 @@ void rmsnorm(Tensor& out, const Tensor& hidden, const Tensor& weight, double eps
   const int64_t T = hidden.size(0), H = hidden.size(1);
   check_dims(op, "out", out, {T, H});
   check_dims(op, "weight", weight, {H});
-  TORCH_CHECK(H % 4 == 0 && H <= 8192, op, ": hidden size ", H,
+  NQ_CHECK(H % 4 == 0 && H <= 8192, op, ": hidden size ", H,
               " must be a multiple of 4 and at most 8192");
-  TORCH_CHECK(eps > 0, op, ": eps=", eps, " must be > 0");
+  NQ_CHECK(eps > 0, op, ": eps=", eps, " must be > 0");
   same_device(op, out, hidden, "hidden");
   same_device(op, out, weight, "weight");
   const c10::cuda::CUDAGuard g(out.device());
@@ -121,10 +156,10 @@ void check_cache(const char* op, const Tensor& k_cache, const Tensor& v_cache) {
   check_arg(op, "k_cache", k_cache, at::kHalf);
   check_arg(op, "v_cache", v_cache, at::kHalf);
   check_dims(op, "k_cache", k_cache, {-1, nanoqwen::kPageSize, -1, -1});
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache shape ", shape_str(v_cache),
+  NQ_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache shape ", shape_str(v_cache),
               " differs from k_cache shape ", shape_str(k_cache));
   const int64_t D = k_cache.size(3);
-  TORCH_CHECK(D == 64 || D == 128, op, ": head_dim=", D, " is not supported (64 or 128)");
+  NQ_CHECK(D == 64 || D == 128, op, ": head_dim=", D, " is not supported (64 or 128)");
 }
 
 void rope_kv_write(Tensor& q_out, Tensor& k_cache, Tensor& v_cache, const Tensor& qkv,
@@ -142,15 +177,15 @@ void rope_kv_write(Tensor& q_out, Tensor& k_cache, Tensor& v_cache, const Tensor
   const int64_t T = q_out.size(0), nh = q_out.size(1), D = k_cache.size(3);
   const int64_t nkv = k_cache.size(2);
   check_dims(op, "q_out", q_out, {T, nh, D});
-  TORCH_CHECK(nh % nkv == 0, op, ": n_heads=", nh, " is not a multiple of n_kv_heads=", nkv);
+  NQ_CHECK(nh % nkv == 0, op, ": n_heads=", nh, " is not a multiple of n_kv_heads=", nkv);
   check_dims(op, "qkv", qkv, {T, (nh + 2 * nkv) * D});
   check_dims(op, "pos", pos, {1});
   check_dims(op, "page_table", page_table, {-1});
   const int64_t table_len = page_table.size(0);
-  TORCH_CHECK(table_len >= 1, op, ": page_table is empty");
+  NQ_CHECK(table_len >= 1, op, ": page_table is empty");
   check_dims(op, "cos", cos, {-1, D / 2});
   check_dims(op, "sin", sin, {cos.size(0), D / 2});
-  TORCH_CHECK(cos.size(0) >= table_len * nanoqwen::kPageSize, op, ": the RoPE tables have ",
+  NQ_CHECK(cos.size(0) >= table_len * nanoqwen::kPageSize, op, ": the RoPE tables have ",
               cos.size(0), " rows but the page table covers ", table_len * nanoqwen::kPageSize,
               " positions");
   for (const Tensor* t : Ts{&k_cache, &v_cache, &qkv, &cos, &sin, &pos, &page_table})
@@ -176,15 +211,15 @@ void paged_attention(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, const Tensor& q
   check_arg(op, "pos", pos, at::kInt);
   check_dims(op, "q", q, {-1, k_cache.size(3)});
   const int64_t nh = q.size(0), D = q.size(1), nkv = k_cache.size(2);
-  TORCH_CHECK(nh % nkv == 0 && nh / nkv <= nanoqwen::kMaxGqa, op, ": n_heads=", nh,
+  NQ_CHECK(nh % nkv == 0 && nh / nkv <= nanoqwen::kMaxGqa, op, ": n_heads=", nh,
               " / n_kv_heads=", nkv, " must be a whole GQA ratio of at most ", nanoqwen::kMaxGqa);
   check_dims(op, "out", out, {nh, D});
   check_dims(op, "ws_acc", ws_acc, {nh, -1, D});
   const int64_t S = ws_acc.size(1);
-  TORCH_CHECK(S >= 1, op, ": ws_acc has no split slots");
+  NQ_CHECK(S >= 1, op, ": ws_acc has no split slots");
   check_dims(op, "ws_ml", ws_ml, {nh, S, 2});
   check_dims(op, "page_table", page_table, {-1});
-  TORCH_CHECK(page_table.size(0) >= 1, op, ": page_table is empty");
+  NQ_CHECK(page_table.size(0) >= 1, op, ": page_table is empty");
   check_dims(op, "pos", pos, {1});
   for (const Tensor* t : Ts{&ws_acc, &ws_ml, &q, &k_cache, &v_cache, &page_table, &pos})
     same_device(op, out, *t, "an input");
@@ -215,7 +250,7 @@ void sample_token(Tensor& out_token, Tensor& work, const Tensor& logits, const T
   check_dims(op, "out_token", out_token, {1});
   check_dims(op, "work", work, {V});
   check_dims(op, "ctx_tokens", ctx_tokens, {-1});
-  TORCH_CHECK(ctx_tokens.size(0) >= 1, op, ": ctx_tokens is empty");
+  NQ_CHECK(ctx_tokens.size(0) >= 1, op, ": ctx_tokens is empty");
   check_dims(op, "pos", pos, {1});
   check_dims(op, "params_f", params_f, {4});
   check_dims(op, "params_i", params_i, {4});
@@ -240,9 +275,9 @@ void advance_step(Tensor& token_in, Tensor& pos, Tensor& ctx_tokens, Tensor& cou
   check_arg(op, "ctx_tokens", ctx_tokens, at::kInt);
   check_arg(op, "counter", counter, at::kLong);
   check_arg(op, "sampled", sampled, at::kInt);
-  TORCH_CHECK(host_ring.device().is_cpu() && host_ring.is_pinned(), op,
+  NQ_CHECK(host_ring.device().is_cpu() && host_ring.is_pinned(), op,
               ": host_ring must be a pinned CPU tensor (the kernel writes it directly)");
-  TORCH_CHECK(host_ring.scalar_type() == at::kInt && host_ring.is_contiguous() &&
+  NQ_CHECK(host_ring.scalar_type() == at::kInt && host_ring.is_contiguous() &&
                   host_ring.dim() == 1 && host_ring.size(0) >= 1,
               op, ": host_ring must be a contiguous int32 [R >= 1], got ",
               at::toString(host_ring.scalar_type()), " ", shape_str(host_ring));
@@ -276,9 +311,9 @@ void check_int4(const char* op, const Tensor& x, const Tensor& qweight, const Te
   check_arg(op, "scales", scales, at::kHalf);
   check_dims(op, "qweight", qweight, {-1, -1});
   const int64_t n = qweight.size(0), k = qweight.size(1) * 8;
-  TORCH_CHECK(k % 128 == 0, op, ": k=", k, " is not a multiple of group 128");
+  NQ_CHECK(k % 128 == 0, op, ": k=", k, " is not a multiple of group 128");
   check_dims(op, "scales", scales, {n, k / 128});
-  TORCH_CHECK(x.numel() == k, op, ": x has ", x.numel(), " elements, expected k=", k);
+  NQ_CHECK(x.numel() == k, op, ": x has ", x.numel(), " elements, expected k=", k);
   *n_out = n;
   *k_out = k;
 }
@@ -291,11 +326,11 @@ void gemv_int4(Tensor& y, const Tensor& x, const Tensor& qweight, const Tensor& 
   int64_t n, k;
   check_int4(op, x, qweight, scales, &n, &k);
   check_arg(op, "y", y, at::kHalf);
-  TORCH_CHECK(y.numel() == n, op, ": y has ", y.numel(), " elements, expected n=", n);
+  NQ_CHECK(y.numel() == n, op, ": y has ", y.numel(), " elements, expected n=", n);
   const half* b = nullptr;
   if (bias.has_value()) {
     check_arg(op, "bias", *bias, at::kHalf);
-    TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, expected n=", n);
+    NQ_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, expected n=", n);
     same_device(op, y, *bias, "bias");
     b = chp(*bias);
   }
@@ -311,7 +346,7 @@ void gemv_int4_residual(Tensor& hidden, const Tensor& x, const Tensor& qweight,
   int64_t n, k;
   check_int4(op, x, qweight, scales, &n, &k);
   check_arg(op, "hidden", hidden, at::kFloat);
-  TORCH_CHECK(hidden.numel() == n, op, ": hidden has ", hidden.numel(), " elements, expected n=", n);
+  NQ_CHECK(hidden.numel() == n, op, ": hidden has ", hidden.numel(), " elements, expected n=", n);
   for (const Tensor* t : Ts{&x, &qweight, &scales}) same_device(op, hidden, *t, "an input");
   const c10::cuda::CUDAGuard g(hidden.device());
   check_launch(op, ::gemv_int4_residual(hidden.data_ptr<float>(), chp(x), qw(qweight),
@@ -324,9 +359,9 @@ void gemv_int4_silu_mul(Tensor& out, const Tensor& x, const Tensor& qw_gate, con
   int64_t n, k, n2, k2;
   check_int4(op, x, qw_gate, sc_gate, &n, &k);
   check_int4(op, x, qw_up, sc_up, &n2, &k2);
-  TORCH_CHECK(n == n2, op, ": gate has n=", n, " rows but up has ", n2);
+  NQ_CHECK(n == n2, op, ": gate has n=", n, " rows but up has ", n2);
   check_arg(op, "out", out, at::kHalf);
-  TORCH_CHECK(out.numel() == n, op, ": out has ", out.numel(), " elements, expected n=", n);
+  NQ_CHECK(out.numel() == n, op, ": out has ", out.numel(), " elements, expected n=", n);
   for (const Tensor* t : Ts{&x, &qw_gate, &sc_gate, &qw_up, &sc_up}) same_device(op, out, *t, "an input");
   const c10::cuda::CUDAGuard g(out.device());
   check_launch(op, ::gemv_int4_silu_mul(hp(out), chp(x), qw(qw_gate), chp(sc_gate), qw(qw_up),
@@ -340,8 +375,8 @@ void gemv_fp16(Tensor& logits, const Tensor& x, const Tensor& w) {
   check_arg(op, "w", w, at::kHalf);
   check_dims(op, "w", w, {-1, -1});
   const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(x.numel() == k, op, ": x has ", x.numel(), " elements, expected k=", k);
-  TORCH_CHECK(logits.numel() == n, op, ": logits has ", logits.numel(), " elements, expected n=", n);
+  NQ_CHECK(x.numel() == k, op, ": x has ", x.numel(), " elements, expected k=", k);
+  NQ_CHECK(logits.numel() == n, op, ": logits has ", logits.numel(), " elements, expected n=", n);
   same_device(op, logits, x, "x");
   same_device(op, logits, w, "w");
   const c10::cuda::CUDAGuard g(logits.device());
@@ -356,7 +391,7 @@ void dequant_int4(Tensor& w, const Tensor& qweight, const Tensor& scales) {
   check_arg(op, "scales", scales, at::kHalf);
   check_dims(op, "qweight", qweight, {-1, -1});
   const int64_t n = qweight.size(0), k = qweight.size(1) * 8;
-  TORCH_CHECK(k % 128 == 0, op, ": k=", k, " is not a multiple of group 128");
+  NQ_CHECK(k % 128 == 0, op, ": k=", k, " is not a multiple of group 128");
   check_dims(op, "scales", scales, {n, k / 128});
   check_dims(op, "w", w, {n, k});
   same_device(op, w, qweight, "qweight");

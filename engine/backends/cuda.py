@@ -391,6 +391,7 @@ class CudaBackend(Backend):
 
     # --- cache bookkeeping ----------------------------------------------------------------------
     def _truncate(self, n: int) -> None:
+        self._gen_id += 1  # a suspended generate() must not append past a truncation
         self.cache.rollback(n)
 
     def _reserve(self, n_tokens: int) -> None:
