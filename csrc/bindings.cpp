@@ -49,7 +49,7 @@ template <typename... A>
 void fail(const A&... a) {
   std::string msg;
   (app(msg, a), ...);
-  TORCH_CHECK(false, msg);
+  TORCH_CHECK(false, msg.c_str());  // one C string: passed through, no c10::str stream
 }
 
 // TORCH_CHECK without c10::str's stream: the message is only built when `cond` fails.
