@@ -476,9 +476,9 @@ class CudaBackend(Backend):
             self._gen_id += 1  # any suspended generate() no longer owns the cache
             self.cache.rollback(pos)
             self._prefill(tokens, pos, sample=False)
-            logits = self.logits.float().cpu()  # syncs the stream
+            logits = self.logits.cpu()  # syncs the stream
             self.cache.length = pos + len(tokens)
-            return logits
+        return logits.clone()  # a normal tensor, not an inference-mode one
 
     def forward_logits_gpu(self) -> torch.Tensor:
         """The device logits buffer of the last forward (tests)."""
@@ -553,7 +553,8 @@ class CudaBackend(Backend):
                         ends.append(ev)
                         launched += 1
                 ends[idx].synchronize()  # releases the GIL; at most about one step
-                token = int(self.host_ring[idx % RING])
+                with torch.inference_mode():  # host_ring is an inference-mode tensor
+                    token = int(self.host_ring[idx % RING])
                 if idx == 0:
                     step_ms = start.elapsed_time(ends[0])
                     self.kv_tokens.extend(new_tokens)
