@@ -265,10 +265,12 @@ def test_gemv_bindings(gen):
     h = torch.randn(n, generator=gen, device="cuda")
     h0 = h.clone()
     ops().gemv_int4_residual(h, x, qw, sc)
-    torch.testing.assert_close(h, h0 + ref, rtol=1e-4, atol=1e-4)  # fp32 out
+    # fp32 out, but the INT4 kernel sums products in fp16 four at a time (GEMV_NOTES.md,
+    # h16word): ~2^-11 relative per partial sum, ~1e-4 absolute over k=384 here
+    torch.testing.assert_close(h, h0 + ref, rtol=1e-3, atol=1e-3)
     logits = torch.empty(n, device="cuda")
     ops().gemv_fp16(logits, x, wd)
-    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)  # fp32 products and sums
 
 
 # ---- argument checks ----------------------------------------------------------------------------
