@@ -33,7 +33,7 @@ from ..build import load_extension
 from ..config import KV_PAGE_SIZE, ModelConfig
 from ..errors import NanoqwenError
 from ..kv_cache import KVCache
-from .base import Backend, StepEvent
+from .base import Backend, ModelFileTensors, StepEvent
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -108,22 +108,6 @@ class SyntheticWeights(Mapping):
         return len(self._names)
 
 
-class _FileTensors(Mapping):
-    def __init__(self, mf) -> None:
-        self._mf = mf
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._mf.tensors:
-            raise KeyError(f"tensor {name!r} is missing from {self._mf.path}")
-        return self._mf.tensor(name)
-
-    def __iter__(self):
-        return iter(self._mf.tensors)
-
-    def __len__(self) -> int:
-        return len(self._mf.tensors)
-
-
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -180,7 +164,7 @@ class CudaBackend(Backend):
     def from_model_file(cls, mf, max_context: int | None = None, mode: str = "graph",
                         progress: Callable[[int, int], None] | None = None,
                         **kw) -> "CudaBackend":
-        return cls(mf.config, _FileTensors(mf), max_context=max_context, mode=mode,
+        return cls(mf.config, ModelFileTensors(mf), max_context=max_context, mode=mode,
                    progress=progress, **kw)
 
     @classmethod
@@ -488,16 +472,7 @@ class CudaBackend(Backend):
                  stop_ids: frozenset[int] = frozenset(),
                  cancel: threading.Event | None = None) -> Iterator[StepEvent]:
         """See Backend.generate: same contract, GPU sampling, graph/eager decode."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
-        params.validate()
-        new_tokens = [int(t) for t in new_tokens]
-        if not new_tokens:
-            if not self.kv_tokens:
-                raise ValueError("generate() needs new tokens or a cached prefix")
-            new_tokens = [self.kv_tokens[-1]]
-            self.truncate(len(self.kv_tokens) - 1)
-        new_tokens = self._checked(new_tokens)
+        new_tokens = self.prepare_generate(new_tokens, params, max_new_tokens)
         return self._generate_gpu(new_tokens, params, max_new_tokens, frozenset(stop_ids), cancel)
 
     def _set_params(self, params) -> int:
