@@ -264,10 +264,33 @@ def test_step_events_are_timed(untied):
     assert all(e.step_ms > 0 for e in ev)
 
 
+def greedy_with_margins(ref, prompt, n, stop_ids):
+    """The reference's greedy reply and, per step, its top-1 minus top-2 logit."""
+    ref.truncate(0)
+    logits = ref.forward(prompt)
+    toks, margins = [], []
+    for _ in range(n):
+        top2 = torch.topk(logits, 2).values
+        margins.append(float(top2[0] - top2[1]))
+        t = int(logits.argmax())
+        toks.append(t)
+        if t in stop_ids:
+            break
+        logits = ref.forward([t])
+    return toks, margins
+
+
 def test_bundled_model_greedy_matches_reference():
     """The trained tiny model (assets/tiny): greedy replies to held-out requests, token for
-    token identical to the reference backend (fp32) in graph and in eager mode, >= 256 tokens
-    in all. A trained model's top-1 margins are clear, unlike random weights'."""
+    token identical to the reference backend (fp32), graph and eager identical to each other,
+    >= 256 identical tokens in all.
+
+    A trained model still has the odd near-tie: on 2026-12-02 the H200 run diverged at step
+    94 of `_get_pjrt_plugin_config`, where the fp32 reference's top-1 beat the runner-up by
+    0.001 logits -- below what fp16 activations can resolve. So a reply may part from the
+    reference only at a step whose reference margin is within twice the CUDA path's measured
+    logit error there (teacher-forced on the reference's own prefix); the tokens before that
+    step count, and must be identical."""
     import json
 
     from nanoqwen.engine.backends.cuda import CudaBackend
@@ -284,19 +307,30 @@ def test_bundled_model_greedy_matches_reference():
     held = json.loads((path.parent / "heldout_requests.json").read_text())
     ref = ReferenceBackend.from_model_file(mf, device="cuda", max_context=1024)
     cuda = CudaBackend.from_model_file(mf, max_context=1024)
-    compared = 0
-    for req in held["requests"][:6]:
+    identical, near_ties = 0, []
+    for req in held["requests"]:
         ids = tok.encode_chat([{"role": "system", "content": held["system"]},
                                {"role": "user", "content": req["request"]}])
-        ref.truncate(0)
-        want = gen_tokens(ref, ids, n=256, stop_ids=tok.stop_ids)
+        want, margins = greedy_with_margins(ref, ids, 256, tok.stop_ids)
+        got = {}
         for mode in ("graph", "eager"):
             cuda.mode = mode
             cuda.truncate(0)
-            got = gen_tokens(cuda, ids, n=256, stop_ids=tok.stop_ids)
-            assert got == want, (req["name"], mode, tok.decode(got), tok.decode(want))
-        compared += len(want)
-        if compared >= 256:
+            got[mode] = gen_tokens(cuda, ids, n=256, stop_ids=tok.stop_ids)
+        assert got["graph"] == got["eager"], req["name"]
+        g = got["graph"]
+        k = next((i for i, (a, b) in enumerate(zip(g, want)) if a != b), min(len(g), len(want)))
+        if g != want:
+            assert k < len(want), (req["name"], "CUDA reply is longer than the reference's")
+            prefix = ids + want[:k]
+            lr = teacher_forced(ref, prefix, len(ids))[-1]
+            lc = teacher_forced(cuda, prefix, len(ids))[-1]
+            step_err = float((lc - lr).abs().max())
+            assert margins[k] < 2 * step_err, (
+                req["name"], k, margins[k], step_err, tok.decode(g), tok.decode(want))
+            near_ties.append((req["name"], k, margins[k], step_err))
+        identical += k
+        if identical >= 256:
             break
-    assert compared >= 256
-    mf.close()
+    print(f"identical greedy tokens: {identical}; near-tie divergences: {near_ties}")
+    assert identical >= 256
