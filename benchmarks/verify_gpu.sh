@@ -2,7 +2,8 @@
 # The whole GPU verification in one device call, each stage time-boxed so the call ends
 # inside its limit: install, build, kernel tests, backend tests, GEMV harness (all variants),
 # the 7B bench, sanitizer. Logs under $OUT (few files: the device returns at most 8).
-# usage: bash benchmarks/verify_gpu.sh
+# usage (the device copy has no .git, so pass the commit from here):
+#   NANOQWEN_COMMIT=<git rev-parse --short HEAD, evaluated here> bash benchmarks/verify_gpu.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -17,7 +18,7 @@ from nanoqwen.engine.build import load_extension, build_dir
 print(load_extension(), build_dir(), f'{time.time()-t:.0f}s')" 2>&1 | tail -30
 t "kernel tests"; timeout 70 python3 -m pytest tests/gpu/test_kernels.py -q --tb=short -p no:cacheprovider 2>&1 | tail -25
 t "backend tests"; timeout 110 python3 -m pytest tests/gpu/test_cuda_backend.py -q --tb=short -p no:cacheprovider 2>&1 | tail -40
-t "gemv harness"; GEMV_COMMIT=$(git rev-parse --short HEAD 2>/dev/null) timeout 45 python3 benchmarks/gemv_harness.py --out /tmp/gemv 2>&1 | tail -30
+t "gemv harness"; GEMV_COMMIT=${NANOQWEN_COMMIT:-unknown} timeout 45 python3 benchmarks/gemv_harness.py --out /tmp/gemv 2>&1 | tail -30
 t "bench 7b"; timeout 80 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph,eager 2>&1 | tail -12
 t "sanitizer"; timeout 60 python3 -m pytest tests/gpu/test_sanitizer.py -q -p no:cacheprovider 2>&1 | tail -8
 t "done"

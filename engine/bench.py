@@ -17,6 +17,7 @@ Each figure is the median over repetitions.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,10 @@ COPY_BANDWIDTH_GBS = 4276.0  # measured on the H200 (docs: device-to-device, rea
 
 
 def _commit() -> str:
+    # The GPU machine runs on a copy of the working tree without .git: the caller passes the
+    # commit in NANOQWEN_COMMIT (benchmarks/verify_gpu.sh's usage line shows how).
+    if os.environ.get("NANOQWEN_COMMIT"):
+        return os.environ["NANOQWEN_COMMIT"]
     try:
         from nanoqwen import REPO_ROOT
 
