@@ -68,7 +68,6 @@ class KVCache:
         if max_tokens <= 0:
             raise ValueError(f"max_tokens={max_tokens} must be positive")
         self.num_layers, self.n_kv_heads, self.head_dim = num_layers, n_kv_heads, head_dim
-        self.page_size = KV_PAGE_SIZE
         self.num_pages = math.ceil(max_tokens / KV_PAGE_SIZE)
         shape = (num_layers, self.num_pages, KV_PAGE_SIZE, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -110,17 +109,13 @@ class KVCache:
         """Keep positions 0..n-1; free every page that holds none of them."""
         if not 0 <= n <= self.length:
             raise ValueError(f"truncate({n}): the cache holds {self.length} tokens")
-        self._drop_pages_beyond(n)
-        self.length = n
-
-    def _drop_pages_beyond(self, n: int) -> None:
-        keep = math.ceil(n / KV_PAGE_SIZE)
-        while len(self.page_table) > keep:
-            self.allocator.free(self.page_table.pop())
+        self.rollback(n)
 
     def rollback(self, n: int) -> None:
         """Undo a failed append: back to `n` valid tokens, freeing pages reserved beyond."""
-        self._drop_pages_beyond(n)
+        keep = math.ceil(n / KV_PAGE_SIZE)
+        while len(self.page_table) > keep:
+            self.allocator.free(self.page_table.pop())
         self.length = n
 
     def _slots(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
