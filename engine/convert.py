@@ -26,12 +26,11 @@ from .config import ConfigError, ModelConfig
 from .errors import FormatError, NanoqwenError
 from .format import Progress, expected_tensors, write_model
 from .quant import quantize
+from .tokenizer import DEFAULT_STOP_TOKENS
 
 FP16_MAX = 65504.0
 ROW_CHUNK = 2048  # rows quantized at once: bounds quantize()'s int64 temporaries (~100 MB)
 INIT_STD = 0.02   # transformers' Qwen2 initializer_range
-# Qwen2.5's stop tokens, looked up by text in an embedded tokenizer for synthetic models
-QWEN_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 # generation_config.json keys that describe the file, not how to sample
 _GEN_DROP = ("transformers_version", "_from_model_config")
 
@@ -311,7 +310,7 @@ def synthetic(preset_or_config: str | ModelConfig, out_path: str | Path, seed: i
             tok = json.loads(tokenizer_json)
         except json.JSONDecodeError as e:
             raise FormatError(f"the tokenizer to embed is not valid JSON: {e}") from e
-    eos = [i for i in (_token_id(tok, t) for t in QWEN_STOP_TOKENS) if i is not None]
+    eos = [i for i in (_token_id(tok, t) for t in DEFAULT_STOP_TOKENS) if i is not None]
     write_model(out_path, config, _synthetic_tensors(config, seed), tokenizer_json=tokenizer_json,
                 chat_template=chat_template,
                 special_tokens={"eos_token_ids": eos, "pad_token_id": eos[-1] if eos else None},

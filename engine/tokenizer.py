@@ -41,8 +41,9 @@ BUILTIN_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# Stop tokens when the file names none: ChatML's end of turn, then end of document.
-_DEFAULT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+# Stop tokens when the file names none: ChatML's end of turn, then end of document (the
+# converter writes the same ones into synthetic models).
+DEFAULT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 _ROLES = ("system", "user", "assistant")
 _REPLACEMENT = "\ufffd"
 
@@ -96,7 +97,7 @@ class Tokenizer:
                 raise FormatError(f"eos_token_ids {bad} are outside the tokenizer's vocabulary "
                                   f"of {self.vocab_size} tokens")
         else:
-            ids = [i for t in _DEFAULT_STOP_TOKENS if (i := self._tok.token_to_id(t)) is not None]
+            ids = [i for t in DEFAULT_STOP_TOKENS if (i := self._tok.token_to_id(t)) is not None]
         self.stop_ids: frozenset[int] = frozenset(ids)
 
     @classmethod
