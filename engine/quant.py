@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import torch
 
-GROUP_SIZE = 128
+from .config import QUANT_GROUP_SIZE
+
+GROUP_SIZE = QUANT_GROUP_SIZE  # the one group size of the format (config.py owns it)
 # nibble position p holds in-word element ORDER[p]
 NIBBLE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 QMAX = 7
