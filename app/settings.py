@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 import platformdirs
 
-from nanoqwen.engine.sampling import SamplerError, SamplerParams
+from nanoqwen.engine.sampling import SamplerError, SamplerParams, is_int, is_real
 
 DECODE_MODES = ("graph", "eager")
 MAX_NEW_TOKENS_LIMIT = 32768
@@ -75,28 +74,22 @@ class Settings:
             if not ok and name not in errors:
                 errors[name] = f"{LABELS[name]} {rule} (got {getattr(self, name)!r})"
 
-        def real(x: Any) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-        def integer(x: Any) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
         need(isinstance(self.greedy, bool), "greedy", "must be true or false")
-        need(real(self.temperature) and self.temperature > 0, "temperature",
+        need(is_real(self.temperature) and self.temperature > 0, "temperature",
              "must be a number > 0 (switch on greedy decoding for temperature 0)")
-        need(integer(self.top_k) and self.top_k >= 0, "top_k",
+        need(is_int(self.top_k) and self.top_k >= 0, "top_k",
              "must be a whole number >= 0 (0 turns top-k off)")
-        need(real(self.top_p) and 0 < self.top_p <= 1, "top_p",
+        need(is_real(self.top_p) and 0 < self.top_p <= 1, "top_p",
              "must be a number in (0, 1] (1 turns top-p off)")
-        need(real(self.min_p) and 0 <= self.min_p <= 1, "min_p",
+        need(is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p",
              "must be a number in [0, 1] (0 turns min-p off)")
-        need(real(self.repeat_penalty) and self.repeat_penalty > 0, "repeat_penalty",
+        need(is_real(self.repeat_penalty) and self.repeat_penalty > 0, "repeat_penalty",
              "must be a number > 0 (1 turns the penalty off)")
-        need(integer(self.repeat_last_n) and self.repeat_last_n >= -1, "repeat_last_n",
+        need(is_int(self.repeat_last_n) and self.repeat_last_n >= -1, "repeat_last_n",
              "must be a whole number >= -1 (0: off, -1: whole context)")
-        need(integer(self.seed) and -1 <= self.seed < 2**63, "seed",
+        need(is_int(self.seed) and -1 <= self.seed < 2**63, "seed",
              "must be a whole number >= 0, or -1 for a fresh random seed each reply")
-        need(integer(self.max_new_tokens) and 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT,
+        need(is_int(self.max_new_tokens) and 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT,
              "max_new_tokens", f"must be a whole number from 1 to {MAX_NEW_TOKENS_LIMIT}")
         need(isinstance(self.system_prompt, str), "system_prompt", "must be text")
         need(self.decode_mode in DECODE_MODES, "decode_mode",

@@ -35,11 +35,13 @@ class SamplerError(NanoqwenError, ValueError):
     """A sampler setting outside its allowed range; the message names the field."""
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
+    """An int that is not a bool (shared with the app's settings checks)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_real(x: Any) -> bool:
+def is_real(x: Any) -> bool:
+    """A finite int or float that is not a bool."""
     return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
 
 
@@ -69,20 +71,20 @@ class SamplerParams:
             return SamplerError(f"sampler setting {name}={getattr(self, name)!r} is invalid: "
                                 f"{allowed}")
 
-        if not _is_real(self.temperature):
+        if not is_real(self.temperature):
             raise bad("temperature", "must be a finite number (<= 0 means greedy)")
-        if not _is_int(self.top_k):
+        if not is_int(self.top_k):
             raise bad("top_k", "must be an integer (<= 0 disables top-k)")
-        if not (_is_real(self.top_p) and 0.0 <= self.top_p <= 1.0):
+        if not (is_real(self.top_p) and 0.0 <= self.top_p <= 1.0):
             raise bad("top_p", "must be a number in [0, 1] (1 disables top-p)")
-        if not (_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0):
+        if not (is_real(self.min_p) and 0.0 <= self.min_p <= 1.0):
             raise bad("min_p", "must be a number in [0, 1] (0 disables min-p)")
-        if not (_is_real(self.repeat_penalty) and self.repeat_penalty > 0):
+        if not (is_real(self.repeat_penalty) and self.repeat_penalty > 0):
             raise bad("repeat_penalty", "must be a number > 0 (1 disables the penalty)")
-        if not (_is_int(self.repeat_last_n) and self.repeat_last_n >= -1):
+        if not (is_int(self.repeat_last_n) and self.repeat_last_n >= -1):
             raise bad("repeat_last_n",
                       "must be an integer >= -1 (0 disables, -1 means the whole history)")
-        if not (_is_int(self.seed) and -1 <= self.seed < 2**64):
+        if not (is_int(self.seed) and -1 <= self.seed < 2**64):
             raise bad("seed", "must be an integer in [0, 2**64) or -1 for a random seed")
         return self
 
@@ -116,14 +118,14 @@ class SamplerParams:
 
         def num(key: str, default: float) -> float:
             v = get(key, default)
-            if not _is_real(v):
+            if not is_real(v):
                 raise SamplerError(f"generation_config {key}={v!r} is not a finite number")
             return float(v)
 
         top_k = get("top_k", 50)
         if isinstance(top_k, float) and top_k.is_integer():
             top_k = int(top_k)
-        if not _is_int(top_k):
+        if not is_int(top_k):
             raise SamplerError(f"generation_config top_k={top_k!r} is not an integer")
         do_sample = bool(get("do_sample", False))
         params = cls(
