@@ -164,7 +164,7 @@ class EngineBridge:
             try:
                 session = ChatSession(self.backend, self.tokenizer,
                                       system_prompt=system_prompt or None,
-                                      messages=[dict(m) for m in history])
+                                      messages=history)  # the session copies it
                 self._session = session
                 yield from self._batched(session.generate(user_text, params, max_new_tokens))
             except Exception as e:  # noqa: BLE001 - any engine failure must reach the user
