@@ -178,6 +178,15 @@ class EngineBridge:
 
         text: list[str] = []
         acc = _StatsAccumulator(self.backend)
+
+        def pending() -> Batch | None:
+            """The text and figures not sent yet, as one Batch (None: nothing new)."""
+            if not (text or acc.dirty):
+                return None
+            batch = Batch("".join(text), acc.take())
+            text.clear()
+            return batch
+
         last_flush = time.perf_counter()
         failed = False
         for ev in events:
@@ -190,9 +199,8 @@ class EngineBridge:
             elif isinstance(ev, Notice):
                 yield Note(ev.message)
             elif isinstance(ev, Error):
-                if text or acc.dirty:
-                    yield Batch("".join(text), acc.take())
-                    text.clear()
+                if batch := pending():
+                    yield batch
                 kind, msg = (describe_error(ev.exception) if ev.exception is not None
                              else ("engine", ev.message))
                 yield Failed(msg, kind)
@@ -200,18 +208,17 @@ class EngineBridge:
             elif isinstance(ev, Done):
                 if failed:
                     return
-                if text or acc.dirty:
-                    yield Batch("".join(text), acc.take())
+                if batch := pending():
+                    yield batch
                 yield Finished(ev.reason, acc.take())
                 return
             now = time.perf_counter()
-            if now - last_flush >= BATCH_SECONDS and (text or acc.dirty):
-                yield Batch("".join(text), acc.take())
-                text.clear()
+            if now - last_flush >= BATCH_SECONDS and (batch := pending()):
+                yield batch
                 last_flush = now
         if not failed:  # a stream that ended without Done: report what there is
-            if text or acc.dirty:
-                yield Batch("".join(text), acc.take())
+            if batch := pending():
+                yield batch
             yield Finished("stop", acc.take())
 
 
