@@ -133,18 +133,22 @@ class ChatScreen(Screen):
         self._update_context()
 
     # --- chats ---------------------------------------------------------------------------
-    def _history(self) -> list[dict]:
-        if self.chat_id is None:
-            return []
-        return [{"role": m.role, "content": m.content}
-                for m in self.app.store.messages(self.chat_id) if m.role != "system"]
+    def _history(self, stored: list | None = None) -> list[dict]:
+        """The chat as the engine takes it; `stored`: its messages already read from the store."""
+        if stored is None:
+            if self.chat_id is None:
+                return []
+            stored = self.app.store.messages(self.chat_id)
+        return [{"role": m.role, "content": m.content} for m in stored if m.role != "system"]
 
-    def _update_context(self) -> None:
+    def _update_context(self, history: list[dict] | None = None) -> None:
         bridge = self.app.bridge
         if bridge is None:
             return
         try:
-            n = bridge.count_tokens(self._history(), self.app.settings.system_prompt)
+            if history is None:
+                history = self._history()
+            n = bridge.count_tokens(history, self.app.settings.system_prompt)
         except Exception:  # noqa: BLE001 - a gauge must never take the screen down
             return
         self.perf.set_context(n)
@@ -154,9 +158,10 @@ class ChatScreen(Screen):
         box = self.query_one("#messages", VerticalScroll)
         box.remove_children()
         self.chat_id = chat_id
+        stored = self.app.store.messages(chat_id) if chat_id is not None else []
         if chat_id is not None:
             widgets = []
-            for m in self.app.store.messages(chat_id):
+            for m in stored:
                 if m.role == "user":
                     widgets.append(UserMessage(m.content, m.id))
                 elif m.role == "assistant":
@@ -166,7 +171,7 @@ class ChatScreen(Screen):
         else:
             self.app.title = "nanoqwen-chat"
         box.scroll_end(animate=False)
-        self._update_context()
+        self._update_context(self._history(stored))  # the rows just read, not a second query
 
     # --- sending -------------------------------------------------------------------------
     @on(PromptInput.Submitted)
