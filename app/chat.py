@@ -292,7 +292,7 @@ class ChatScreen(Screen):
             for w in self.query(".message"):
                 if getattr(w, "msg_id", None) == m.id:
                     await w.remove()
-        history = [{"role": m.role, "content": m.content} for m in msgs[:i]]
+        history = self._history(msgs[:i])
         await self._start_reply(history, msgs[i].content)
 
     def action_new_chat(self) -> None:
