@@ -19,6 +19,16 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Streaming 16-byte weight load: read-only path, no L1 allocation (the weights are read
+// once per token; L1 is left to the activations). Used by the GEMV kernels.
+__device__ __forceinline__ uint4 ld_weights(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
 // Block-wide sum; every thread gets the result. `scratch` holds >= 32 floats. Must be called
 // by all threads of the block (it contains block barriers), never inside a warp-id branch.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {

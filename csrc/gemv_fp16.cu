@@ -7,6 +7,7 @@
 // Products and sums are fp32 (w and x are converted exactly), so logits carry no fp16 rounding:
 // argmax ties are decided by the math, not by accumulation order beyond fp32's.
 // Invariants (checked): n >= 1, k >= 8, k % 8 == 0, x and w 16-byte aligned.
+#include "common.cuh"
 #include "gemv.h"
 
 namespace {
@@ -14,13 +15,7 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 
-__device__ __forceinline__ uint4 ld_weights(const uint4* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
+using nanoqwen::ld_weights;  // common.cuh: streaming 16-byte load, no L1 allocation
 
 __device__ __forceinline__ float2 h2f(uint32_t u) {
   return __half22float2(*reinterpret_cast<half2*>(&u));

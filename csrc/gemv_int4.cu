@@ -26,6 +26,7 @@
 // The launchers use ACC_H16W: the kernels are instruction-issue bound (~2.8 SASS instructions per
 // weight), and ACC_F32 measured 20-35% slower, ACC_H16C 5-25% slower and less accurate. Its limit:
 // four products |q| <= 7 times |x| summed in fp16 overflow only if |x| > 65504/28 = 2339.
+#include "common.cuh"
 #include "gemv.h"
 
 #include <stdarg.h>
@@ -58,14 +59,7 @@ __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t
   return d;
 }
 
-// Streaming 16-byte weight load: read-only path, do not allocate in L1 (x lives there).
-__device__ __forceinline__ uint4 ld_weights(const uint4* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
+using nanoqwen::ld_weights;  // common.cuh: streaming 16-byte load, no L1 allocation
 
 __device__ __forceinline__ half2 as_h2(uint32_t u) { return *reinterpret_cast<half2*>(&u); }
 
