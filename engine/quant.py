@@ -76,7 +76,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor,
     if scales.shape[0] != n or k % scales.shape[1]:
         raise ValueError(f"scales shape {tuple(scales.shape)} does not fit qweight {tuple(qweight.shape)}")
     group = k // scales.shape[1]
-    codes = unpack_codes(qweight.cpu() if qweight.device.type != "cpu" else qweight)
+    codes = unpack_codes(qweight.cpu())  # .cpu() is a no-op for CPU tensors
     q = (codes - CODE_OFFSET).to(torch.float32).reshape(n, k // group, group)
     w = q * scales.detach().cpu().to(torch.float32).unsqueeze(-1)
     return w.reshape(n, k).to(dtype).to(qweight.device)
