@@ -220,4 +220,11 @@ cudaError_t paged_attention(half* out, float* ws_acc, float* ws_ml, const half* 
   return cudaGetLastError();
 }
 
+// TEMPORARY (development only, replaced before anything lands)
+cudaError_t attention_decode(half*, float*, float*, int32_t*, const half*, half*, half*,
+                             const float*, const float*, const int32_t*, int, const int32_t*,
+                             int, int, int, int, float, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+
 }  // namespace nanoqwen

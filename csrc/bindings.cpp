@@ -231,6 +231,54 @@ void paged_attention(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, const Tensor& q
                        (int)D, (int)S, (float)(1.0 / std::sqrt((double)D)), stream_of(out)));
 }
 
+void attention_decode(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, Tensor& counters,
+                      const Tensor& qkv, Tensor& k_cache, Tensor& v_cache, const Tensor& cos,
+                      const Tensor& sin, const Tensor& page_table, const Tensor& pos) {
+  const char* op = "attention_decode";
+  check_arg(op, "out", out, at::kHalf);
+  check_arg(op, "ws_acc", ws_acc, at::kFloat);
+  check_arg(op, "ws_ml", ws_ml, at::kFloat);
+  check_arg(op, "counters", counters, at::kInt);
+  check_arg(op, "qkv", qkv, at::kHalf);
+  check_cache(op, k_cache, v_cache);
+  check_arg(op, "cos", cos, at::kFloat);
+  check_arg(op, "sin", sin, at::kFloat);
+  check_arg(op, "page_table", page_table, at::kInt);
+  check_arg(op, "pos", pos, at::kInt);
+  const int64_t D = k_cache.size(3), nkv = k_cache.size(2);
+  check_dims(op, "out", out, {-1, D});
+  const int64_t nh = out.size(0);
+  NQ_CHECK(nh % nkv == 0 && nh / nkv <= nanoqwen::kMaxGqa, op, ": n_heads=", nh,
+              " / n_kv_heads=", nkv, " must be a whole GQA ratio of at most ", nanoqwen::kMaxGqa);
+  NQ_CHECK(qkv.numel() == (nh + 2 * nkv) * D, op, ": qkv has ", qkv.numel(),
+              " elements, expected (n_heads + 2 n_kv) * head_dim = ", (nh + 2 * nkv) * D);
+  check_dims(op, "ws_acc", ws_acc, {nh, -1, D});
+  const int64_t S = ws_acc.size(1);
+  NQ_CHECK(S >= 1, op, ": ws_acc has no split slots");
+  check_dims(op, "ws_ml", ws_ml, {nh, S, 2});
+  check_dims(op, "counters", counters, {nkv});
+  check_dims(op, "page_table", page_table, {-1});
+  const int64_t table_len = page_table.size(0);
+  NQ_CHECK(table_len >= 1, op, ": page_table is empty");
+  check_dims(op, "pos", pos, {1});
+  check_dims(op, "cos", cos, {-1, D / 2});
+  check_dims(op, "sin", sin, {cos.size(0), D / 2});
+  NQ_CHECK(cos.size(0) >= table_len * nanoqwen::kPageSize, op, ": the RoPE tables have ",
+              cos.size(0), " rows but the page table covers ", table_len * nanoqwen::kPageSize,
+              " positions");
+  for (const Tensor* t : Ts{&ws_acc, &ws_ml, &counters, &qkv, &k_cache, &v_cache, &cos, &sin,
+                            &page_table, &pos})
+    same_device(op, out, *t, "an input");
+  const c10::cuda::CUDAGuard g(out.device());
+  check_launch(op, nanoqwen::attention_decode(
+                       hp(out), ws_acc.data_ptr<float>(), ws_ml.data_ptr<float>(),
+                       counters.data_ptr<int32_t>(), chp(qkv), hp(k_cache), hp(v_cache),
+                       cos.data_ptr<float>(), sin.data_ptr<float>(),
+                       page_table.data_ptr<int32_t>(), (int)table_len, pos.data_ptr<int32_t>(),
+                       (int)nh, (int)nkv, (int)D, (int)S, (float)(1.0 / std::sqrt((double)D)),
+                       stream_of(out)));
+}
+
 // ---- sampling / advance ---------------------------------------------------------------------
 
 void sample_token(Tensor& out_token, Tensor& work, const Tensor& logits, const Tensor& ctx_tokens,
@@ -384,6 +432,82 @@ void gemv_fp16(Tensor& logits, const Tensor& x, const Tensor& w) {
                                stream_of(logits)), true);
 }
 
+// ---- GEMVs with the RMSNorm fused into their prologue (x = norm(hidden) never leaves the SM) --
+
+void check_norm(const char* op, const Tensor& hidden, const Tensor& norm_w, double eps, int64_t k) {
+  check_arg(op, "hidden", hidden, at::kFloat);
+  check_arg(op, "norm_w", norm_w, at::kHalf);
+  NQ_CHECK(hidden.numel() == k, op, ": hidden has ", hidden.numel(), " elements, expected k=", k);
+  check_dims(op, "norm_w", norm_w, {k});
+  NQ_CHECK(eps > 0, op, ": eps=", eps, " must be > 0");
+}
+
+void gemv_int4_norm(Tensor& y, const Tensor& hidden, const Tensor& norm_w, double eps,
+                    const Tensor& qweight, const Tensor& scales, const c10::optional<Tensor>& bias) {
+  const char* op = "gemv_int4_norm";
+  check_arg(op, "qweight", qweight, at::kInt);
+  check_arg(op, "scales", scales, at::kHalf);
+  check_dims(op, "qweight", qweight, {-1, -1});
+  const int64_t n = qweight.size(0), k = qweight.size(1) * 8;
+  NQ_CHECK(k % 128 == 0, op, ": k=", k, " is not a multiple of group 128");
+  check_dims(op, "scales", scales, {n, k / 128});
+  check_norm(op, hidden, norm_w, eps, k);
+  check_arg(op, "y", y, at::kHalf);
+  NQ_CHECK(y.numel() == n, op, ": y has ", y.numel(), " elements, expected n=", n);
+  const half* b = nullptr;
+  if (bias.has_value()) {
+    check_arg(op, "bias", *bias, at::kHalf);
+    NQ_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, expected n=", n);
+    same_device(op, y, *bias, "bias");
+    b = chp(*bias);
+  }
+  for (const Tensor* t : Ts{&hidden, &norm_w, &qweight, &scales}) same_device(op, y, *t, "an input");
+  const c10::cuda::CUDAGuard g(y.device());
+  check_launch(op, ::gemv_int4_norm(hp(y), hidden.data_ptr<float>(), chp(norm_w), (float)eps,
+                                    qw(qweight), chp(scales), b, (int)n, (int)k, stream_of(y)),
+               true);
+}
+
+void gemv_int4_silu_mul_norm(Tensor& out, const Tensor& hidden, const Tensor& norm_w, double eps,
+                             const Tensor& qw_gate, const Tensor& sc_gate, const Tensor& qw_up,
+                             const Tensor& sc_up) {
+  const char* op = "gemv_int4_silu_mul_norm";
+  for (const Tensor* t : Ts{&qw_gate, &qw_up}) check_arg(op, "qweight", *t, at::kInt);
+  for (const Tensor* t : Ts{&sc_gate, &sc_up}) check_arg(op, "scales", *t, at::kHalf);
+  check_dims(op, "qw_gate", qw_gate, {-1, -1});
+  const int64_t n = qw_gate.size(0), k = qw_gate.size(1) * 8;
+  NQ_CHECK(k % 128 == 0, op, ": k=", k, " is not a multiple of group 128");
+  check_dims(op, "qw_up", qw_up, {n, k / 8});
+  check_dims(op, "sc_gate", sc_gate, {n, k / 128});
+  check_dims(op, "sc_up", sc_up, {n, k / 128});
+  check_norm(op, hidden, norm_w, eps, k);
+  check_arg(op, "out", out, at::kHalf);
+  NQ_CHECK(out.numel() == n, op, ": out has ", out.numel(), " elements, expected n=", n);
+  for (const Tensor* t : Ts{&hidden, &norm_w, &qw_gate, &sc_gate, &qw_up, &sc_up})
+    same_device(op, out, *t, "an input");
+  const c10::cuda::CUDAGuard g(out.device());
+  check_launch(op, ::gemv_int4_silu_mul_norm(hp(out), hidden.data_ptr<float>(), chp(norm_w),
+                                             (float)eps, qw(qw_gate), chp(sc_gate), qw(qw_up),
+                                             chp(sc_up), (int)n, (int)k, stream_of(out)),
+               true);
+}
+
+void gemv_fp16_norm(Tensor& logits, const Tensor& hidden, const Tensor& norm_w, double eps,
+                    const Tensor& w) {
+  const char* op = "gemv_fp16_norm";
+  check_arg(op, "logits", logits, at::kFloat);
+  check_arg(op, "w", w, at::kHalf);
+  check_dims(op, "w", w, {-1, -1});
+  const int64_t n = w.size(0), k = w.size(1);
+  check_norm(op, hidden, norm_w, eps, k);
+  NQ_CHECK(logits.numel() == n, op, ": logits has ", logits.numel(), " elements, expected n=", n);
+  for (const Tensor* t : Ts{&hidden, &norm_w, &w}) same_device(op, logits, *t, "an input");
+  const c10::cuda::CUDAGuard g(logits.device());
+  check_launch(op, ::gemv_fp16_norm(logits.data_ptr<float>(), hidden.data_ptr<float>(),
+                                    chp(norm_w), (float)eps, chp(w), (int)n, (int)k,
+                                    stream_of(logits)), true);
+}
+
 void dequant_int4(Tensor& w, const Tensor& qweight, const Tensor& scales) {
   const char* op = "dequant_int4";
   check_arg(op, "w", w, at::kHalf);
@@ -429,6 +553,16 @@ TORCH_LIBRARY(nanoqwen, m) {
         "Tensor sc_up) -> ()");
   // fp16 lm_head GEMV to fp32 logits
   m.def("gemv_fp16(Tensor! logits, Tensor x, Tensor w) -> ()");
+  // RoPE + K/V write + split-K paged attention + split merge for one decode token, one launch
+  m.def("attention_decode(Tensor! out, Tensor! ws_acc, Tensor! ws_ml, Tensor! counters, "
+        "Tensor qkv, Tensor! k_cache, Tensor! v_cache, Tensor cos, Tensor sin, "
+        "Tensor page_table, Tensor pos) -> ()");
+  // the GEMVs above with x = rmsnorm(hidden) * norm_w computed in their prologue
+  m.def("gemv_int4_norm(Tensor! y, Tensor hidden, Tensor norm_w, float eps, Tensor qweight, "
+        "Tensor scales, Tensor? bias) -> ()");
+  m.def("gemv_int4_silu_mul_norm(Tensor! out, Tensor hidden, Tensor norm_w, float eps, "
+        "Tensor qw_gate, Tensor sc_gate, Tensor qw_up, Tensor sc_up) -> ()");
+  m.def("gemv_fp16_norm(Tensor! logits, Tensor hidden, Tensor norm_w, float eps, Tensor w) -> ()");
   // INT4 -> fp16 weight (prefill feeds cuBLAS with it)
   m.def("dequant_int4(Tensor! w, Tensor qweight, Tensor scales) -> ()");
 }
@@ -445,4 +579,8 @@ TORCH_LIBRARY_IMPL(nanoqwen, CUDA, m) {
   m.impl("gemv_int4_silu_mul", &nanoqwen_ops::gemv_int4_silu_mul);
   m.impl("gemv_fp16", &nanoqwen_ops::gemv_fp16);
   m.impl("dequant_int4", &nanoqwen_ops::dequant_int4);
+  m.impl("attention_decode", &nanoqwen_ops::attention_decode);
+  m.impl("gemv_int4_norm", &nanoqwen_ops::gemv_int4_norm);
+  m.impl("gemv_int4_silu_mul_norm", &nanoqwen_ops::gemv_int4_silu_mul_norm);
+  m.impl("gemv_fp16_norm", &nanoqwen_ops::gemv_fp16_norm);
 }

@@ -4,8 +4,60 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
+
+#include <utility>
 
 namespace nanoqwen {
+
+// ---- programmatic dependent launch (PDL, sm_90) -------------------------------------------------
+// Every decode kernel is launched with launch_pdl(), which lets the GPU start it while the
+// previous kernel on the stream is still running (its blocks fill SMs the previous grid leaves
+// free). Rules each kernel follows (the whole chain stays correct because every kernel obeys
+// them):
+//   1. Before griddep_wait() a kernel may only READ data written by kernels at least two
+//      launches back (weights, K/V of earlier positions, tables) and must not WRITE anything
+//      another kernel reads or writes. Everything the immediately preceding kernel writes is
+//      read after griddep_wait(), which returns once that grid has completed and its memory is
+//      visible.
+//   2. griddep_launch_dependents() is called only after griddep_wait(): so when kernel N starts,
+//      kernel N-1 has passed its wait, i.e. kernel N-2 and everything before it are complete --
+//      that is what makes rule 1's early reads safe.
+//   3. A kernel launched without the attribute (PDL off, or a non-PDL predecessor such as a
+//      cuBLAS call) sees both instructions as no-ops / immediate returns.
+// NANOQWEN_PDL=0 in the environment turns the attribute off (for A/B measurements); the
+// kernels are then ordinary stream-ordered launches.
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void griddep_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* e = getenv("NANOQWEN_PDL");
+    return !(e && e[0] == '0');
+  }();
+  return on;
+}
+
+// kern<<<grid, block, smem, stream>>>(args...) with the programmatic-stream-serialization
+// attribute (see above); returns the launch's error.
+template <typename... KArgs, typename... Args>
+cudaError_t launch_pdl(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                       cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kern, std::forward<Args>(args)...);
+  return e != cudaSuccess ? e : cudaGetLastError();
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

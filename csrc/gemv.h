@@ -51,6 +51,21 @@ cudaError_t gemv_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate
 cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k,
                       cudaStream_t stream);
 
+// The same three GEMVs with the RMSNorm fused into the prologue: x = half(float(norm_w) *
+// hidden * rsqrt(mean(hidden^2) + eps)), hidden fp32 [k] (the residual stream), computed per
+// block in fp32 and rounded once to half exactly as the rmsnorm kernel rounds it (the sum of
+// squares may be reduced in another order, so x can differ from rmsnorm()'s in the last bit).
+// These are what the decode step launches (no separate rmsnorm kernel, no xn round trip).
+cudaError_t gemv_int4_norm(half* y, const float* hidden, const half* norm_w, float eps,
+                           const uint32_t* qweight, const half* scales, const half* bias, int n,
+                           int k, cudaStream_t stream);
+cudaError_t gemv_int4_silu_mul_norm(half* out, const float* hidden, const half* norm_w, float eps,
+                                    const uint32_t* qw_gate, const half* sc_gate,
+                                    const uint32_t* qw_up, const half* sc_up, int n, int k,
+                                    cudaStream_t stream);
+cudaError_t gemv_fp16_norm(float* logits, const float* hidden, const half* norm_w, float eps,
+                           const half* w, int n, int k, cudaStream_t stream);
+
 // w half [n, k] = dequantize(qweight, scales); bit-identical to quant.dequantize(...).half()
 // ((u-8)*s is formed exactly and rounded once). Prefill uses it to feed cuBLAS.
 cudaError_t dequant_int4(half* w, const uint32_t* qweight, const half* scales, int n, int k,

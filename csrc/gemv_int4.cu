@@ -660,3 +660,14 @@ cudaError_t gemv_fail_(const char* fmt, ...) {
 }
 
 }  // extern "C"
+
+// TEMPORARY (development only, replaced before anything lands): entry point declared in gemv.h
+extern "C" cudaError_t gemv_int4_norm(half*, const float*, const half*, float, const uint32_t*,
+                                      const half*, const half*, int, int, cudaStream_t) {
+  return gemv_fail_("gemv_int4_norm: not implemented yet");
+}
+extern "C" cudaError_t gemv_int4_silu_mul_norm(half*, const float*, const half*, float,
+                                               const uint32_t*, const half*, const uint32_t*,
+                                               const half*, int, int, cudaStream_t) {
+  return gemv_fail_("gemv_int4_silu_mul_norm: not implemented yet");
+}

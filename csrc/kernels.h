@@ -51,6 +51,21 @@ cudaError_t paged_attention(half* out, float* ws_acc, float* ws_ml, const half* 
                             int table_len, const int32_t* pos, int n_heads, int n_kv,
                             int head_dim, int num_splits, float scale, cudaStream_t stream);
 
+// The decode step's attention in ONE launch: RoPE of q and k of the projected token
+// (qkv [(n_heads + 2 n_kv) * head_dim], position pos[0]) as rope_kv_write does it (fp32 from
+// fp16, rounded once), the write of rotated k and plain v into slot pos of the layer's pages
+// (skipped, like rope_kv_write, when pos is beyond the table), then paged_attention's split-K
+// attention over positions 0..pos, with the splits merged inside the same launch (the last
+// split block of each kv head to finish merges them, in split order, so the result does not
+// depend on which block finishes last). counters int32 [n_kv]: zero before the first call, left
+// zero by every call. Results equal rope_kv_write + paged_attention.
+cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* counters,
+                             const half* qkv, half* k_cache, half* v_cache,
+                             const float* cos_table, const float* sin_table,
+                             const int32_t* page_table, int table_len, const int32_t* pos,
+                             int n_heads, int n_kv, int head_dim, int num_splits, float scale,
+                             cudaStream_t stream);
+
 // GPU sampler (docs/INTERFACES.md order): repetition penalty over the distinct ids among the
 // last repeat_last_n context ids (ctx_tokens[0..pos]) -> greedy argmax (lowest id on ties) ->
 // top-k -> top-p -> min-p -> temperature -> one draw from Philox4x32-10(seed, counter).
