@@ -11,6 +11,8 @@ namespace nanoqwen {
 
 __global__ void embed_gather_kernel(float* __restrict__ hidden, const half* __restrict__ table,
                                     const int32_t* __restrict__ ids, int H, int vocab) {
+  griddep_wait();  // ids: the previous step's advance_step may be the kernel right before
+  griddep_launch_dependents();
   const int t = blockIdx.x;
   int id = ids[t];
   id = id < 0 ? 0 : (id >= vocab ? vocab - 1 : id);
@@ -31,8 +33,7 @@ cudaError_t embed_gather(float* hidden, const half* table, const int32_t* ids, i
                          int vocab, cudaStream_t stream) {
   if (T <= 0) return cudaSuccess;
   if (H % 8) return cudaErrorInvalidValue;
-  embed_gather_kernel<<<T, 256, 0, stream>>>(hidden, table, ids, H, vocab);
-  return cudaGetLastError();
+  return launch_pdl(embed_gather_kernel, dim3(T), dim3(256), 0, stream, hidden, table, ids, H, vocab);
 }
 
 // One block per row. Each thread keeps its slice of the row in registers between the
@@ -44,6 +45,8 @@ __global__ void __launch_bounds__(kNormThreads)
 rmsnorm_kernel(half* __restrict__ out, const float* __restrict__ hidden,
                const half* __restrict__ weight, int H, float eps) {
   __shared__ float scratch[32];
+  griddep_wait();  // hidden comes from the kernel before
+  griddep_launch_dependents();
   const int t = blockIdx.x;
   const float4* x4 = reinterpret_cast<const float4*>(hidden + (size_t)t * H);
   const int n4 = H / 4;
@@ -76,8 +79,8 @@ cudaError_t rmsnorm(half* out, const float* hidden, const half* weight, int T, i
                     cudaStream_t stream) {
   if (T <= 0) return cudaSuccess;
   if (H % 4 || H > kNormThreads * 4 * kMaxVec) return cudaErrorInvalidValue;
-  rmsnorm_kernel<<<T, kNormThreads, 0, stream>>>(out, hidden, weight, H, eps);
-  return cudaGetLastError();
+  return launch_pdl(rmsnorm_kernel, dim3(T), dim3(kNormThreads), 0, stream, out, hidden, weight,
+                    H, eps);
 }
 
 }  // namespace nanoqwen

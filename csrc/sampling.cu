@@ -177,6 +177,8 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
               int ctx_capacity, const int32_t* __restrict__ pos_ptr, const float* __restrict__ params_f,
               const int64_t* __restrict__ params_i, const int64_t* __restrict__ counter) {
   __shared__ SampleShared sh;
+  griddep_wait();  // logits come from the lm_head GEMV right before (PDL rules: common.cuh)
+  griddep_launch_dependents();
   const float temperature = params_f[0], top_p = params_f[1], min_p = params_f[2];
   const float penalty = params_f[3];
   const int64_t top_k = params_i[0], last_n = params_i[1];
@@ -287,15 +289,15 @@ cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, i
                          const float* params_f, const int64_t* params_i, const int64_t* counter,
                          cudaStream_t stream) {
   if (V <= 0 || ctx_capacity <= 0) return cudaErrorInvalidValue;
-  sample_kernel<<<1, kSampleThreads, 0, stream>>>(out_token, work, logits, V, ctx_tokens,
-                                                  ctx_capacity, pos,
-                                                  params_f, params_i, counter);
-  return cudaGetLastError();
+  return launch_pdl(sample_kernel, dim3(1), dim3(kSampleThreads), 0, stream, out_token, work,
+                    logits, V, ctx_tokens, ctx_capacity, pos, params_f, params_i, counter);
 }
 
 __global__ void advance_kernel(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens,
                                int ctx_capacity, int64_t* counter, int32_t* host_ring,
                                int ring_size, const int32_t* sampled) {
+  griddep_wait();  // sampled comes from sample_token right before
+  griddep_launch_dependents();
   const int32_t t = sampled[0];
   const int32_t p = pos[0] + 1;
   token_in[0] = t;
@@ -310,9 +312,8 @@ cudaError_t advance_step(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens,
                          int ctx_capacity, int64_t* counter, int32_t* host_ring, int ring_size,
                          const int32_t* sampled, cudaStream_t stream) {
   if (ring_size <= 0) return cudaErrorInvalidValue;
-  advance_kernel<<<1, 1, 0, stream>>>(token_in, pos, ctx_tokens, ctx_capacity, counter,
-                                      host_ring, ring_size, sampled);
-  return cudaGetLastError();
+  return launch_pdl(advance_kernel, dim3(1), dim3(1), 0, stream, token_in, pos, ctx_tokens,
+                    ctx_capacity, counter, host_ring, ring_size, sampled);
 }
 
 }  // namespace nanoqwen
