@@ -75,9 +75,35 @@ __device__ void block_argmax(const float* __restrict__ src, int V, SampleShared&
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float bv = -CUDART_INF_F;
   int bi = 0x7fffffff;
-  for (int i = threadIdx.x; i < V; i += kSampleThreads) {
+  // Each thread visits its ids in ascending order and only a strictly larger value replaces,
+  // so ties keep the lowest id. The bulk is read as float4 with four loads in flight per
+  // thread: one block streams the whole vocabulary (608 KB at 152064), and one dependent
+  // 4-byte load per iteration left it bound by L2 latency.
+  int v4 = 0;
+  if ((reinterpret_cast<uintptr_t>(src) & 15u) == 0) {
+    v4 = V / 4;
+    const float4* s4 = reinterpret_cast<const float4*>(src);
+    constexpr int kIn = 4;
+    for (int i0 = threadIdx.x; i0 < v4; i0 += kIn * kSampleThreads) {
+      float4 f[kIn];
+#pragma unroll
+      for (int u = 0; u < kIn; ++u) {
+        const int i = i0 + u * kSampleThreads;
+        f[u] = i < v4 ? s4[i] : make_float4(-CUDART_INF_F, -CUDART_INF_F, -CUDART_INF_F, -CUDART_INF_F);
+      }
+#pragma unroll
+      for (int u = 0; u < kIn; ++u) {
+        const int id = 4 * (i0 + u * kSampleThreads);
+        if (f[u].x > bv) { bv = f[u].x; bi = id; }
+        if (f[u].y > bv) { bv = f[u].y; bi = id + 1; }
+        if (f[u].z > bv) { bv = f[u].z; bi = id + 2; }
+        if (f[u].w > bv) { bv = f[u].w; bi = id + 3; }
+      }
+    }
+  }
+  for (int i = 4 * v4 + threadIdx.x; i < V; i += kSampleThreads) {
     const float v = src[i];
-    if (v > bv) { bv = v; bi = i; }  // ascending i: only a strictly larger value replaces
+    if (v > bv) { bv = v; bi = i; }
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
