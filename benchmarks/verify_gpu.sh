@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The whole GPU verification in one device call, each stage time-boxed so the call ends
-# inside its limit: install, build, kernel tests, backend tests, GEMV harness (all variants),
-# the 7B bench, sanitizer. Logs under $OUT (few files: the device returns at most 8).
-# usage (the device copy has no .git, so pass the commit from here):
+# inside its limit: install, build, all of tests/gpu (kernels, fused ops, backend, app,
+# compute-sanitizer), GEMV harness (all variants), the 7B bench, the per-op step breakdown,
+# and the same bench with programmatic dependent launch off (A/B). Logs under $OUT.
+# usage (the device copy has no .git, so pass the commit from here; carry .whl for the app
+# test's textual wheels):
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD, evaluated here> bash benchmarks/verify_gpu.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16
@@ -10,17 +12,22 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 S=$(date +%s)
 t() { echo "[$(( $(date +%s) - S ))s] == $*"; }
 {
-t "install"; python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+t "install"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 t "build"
 timeout 150 python3 -c "
 import time; t=time.time()
 from nanoqwen.engine.build import load_extension, build_dir
 print(load_extension(), build_dir(), f'{time.time()-t:.0f}s')" 2>&1 | tail -30
-t "kernel tests"; timeout 70 python3 -m pytest tests/gpu/test_kernels.py -q --tb=short -p no:cacheprovider 2>&1 | tail -25
-t "backend tests"; timeout 110 python3 -m pytest tests/gpu/test_cuda_backend.py -q --tb=short -p no:cacheprovider 2>&1 | tail -40
-t "gemv harness"; GEMV_COMMIT=${NANOQWEN_COMMIT:-unknown} timeout 45 python3 benchmarks/gemv_harness.py --out /tmp/gemv 2>&1 | tail -30
+t "tests/gpu"; timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -40
+t "gemv harness"; GEMV_COMMIT=${NANOQWEN_COMMIT:-unknown} timeout 60 python3 benchmarks/gemv_harness.py --out /tmp/gemv 2>&1 | tail -30
 t "bench 7b"; timeout 80 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph,eager 2>&1 | tail -12
-t "sanitizer"; timeout 60 python3 -m pytest tests/gpu/test_sanitizer.py -q -p no:cacheprovider 2>&1 | tail -8
+t "bench_step"; (cd benchmarks && timeout 60 python3 bench_step.py 2>&1 | tail -30)
+t "bench 7b, PDL off"; NANOQWEN_PDL=0 timeout 70 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph 2>&1 | tail -6
 t "done"
 } 2>&1 | tee "$OUT/verify_log.txt"
 cp /tmp/gemv/gemv_log.txt "$OUT/" 2>/dev/null; ls /tmp/gemv/*.json >/dev/null 2>&1 && cp /tmp/gemv/*.json "$OUT/" 2>/dev/null
