@@ -1,24 +1,32 @@
-"""paged_attention (split-K decode attention) at the 7B's shape over context lengths.
+"""Decode attention at the 7B's shape over context lengths: the fused attention_decode (RoPE +
+K/V write + split-K attention + split merge, one launch) against the unfused pair it replaces
+(rope_kv_write + paged_attention = three launches), and a sweep of the fused op's split sizing
+(num_splits = the ws size, NANOQWEN_ATTN_MIN_PPS = minimum pages per split).
 
     python benchmarks/bench_attention.py [--heads 28 --kv-heads 4 --head-dim 128]
 
-Times a CUDA graph of 50 back-to-back launches (split + combine kernels), median of 7 replays,
-and reports the K/V bytes read per launch against the measured 4276 GB/s copy bandwidth.
-Each launch reads a different layer's cache (28 layers) so the L2 does not serve repeats.
+Times a CUDA graph of 50 back-to-back calls, median of 7 replays (us per call), and reports the
+K/V bytes read per call against the measured 4276 GB/s copy bandwidth. Each call reads a
+different layer's cache (28 layers) so the L2 does not serve repeats. All kernels are launched
+with PDL (NANOQWEN_PDL=1 unless set), so back-to-back calls overlap one call's start with the
+previous one's tail; in the engine the kernel before attention_decode is the qkv GEMV.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
 
 COPY_GBS = 4276.0
+CONTEXTS = (128, 512, 2048, 8192, 32768)
 
 
 def time_graph(fn, reps: int = 50, trials: int = 7) -> float:
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         fn(0)
         torch.cuda.synchronize()
@@ -36,7 +44,7 @@ def time_graph(fn, reps: int = 50, trials: int = 7) -> float:
             b.record(s)
             b.synchronize()
             times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)  # us per launch
+    return statistics.median(times)  # us per call
 
 
 def main() -> None:
@@ -48,28 +56,56 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--contexts", type=str, default=",".join(map(str, CONTEXTS)))
+    ap.add_argument("--sweep", type=str, default="66:1,66:2,66:4,33:2,132:1,132:2",
+                    help="fused variants as num_splits:min_pps")
     a = ap.parse_args()
     nh, nkv, d = a.heads, a.kv_heads, a.head_dim
     ops = torch.ops.nanoqwen
-    print(f"| context | splits | us/launch | KV MB | GB/s | % of {COPY_GBS:.0f} |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for L in (1, 128, 512, 1024, 4096, 16384, 32768):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    variants = [tuple(int(x) for x in v.split(":")) for v in a.sweep.split(",")]
+    rows = []
+    for L in (int(x) for x in a.contexts.split(",")):
         pages = -(-L // 16)
         k = torch.randn(a.layers, pages, 16, nkv, d, device="cuda").half()
         v = torch.randn_like(k)
         table = torch.randperm(pages, device="cuda").int()
-        q = torch.randn(nh, d, device="cuda").half()
+        qkv = torch.randn(1, (nh + 2 * nkv) * d, device="cuda").half()
+        inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+        f = torch.arange(pages * 16, device="cuda").float()[:, None] * inv[None]
+        cos, sin = f.cos().contiguous(), f.sin().contiguous()
         pos = torch.tensor([L - 1], dtype=torch.int32, device="cuda")
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        S = max(1, min(pages, -(-2 * sms // nkv)))
+        S_eng = max(1, min(pages, -(-2 * sms // nkv)))  # engine/backends/cuda.py's formula
         out = torch.empty(nh, d, device="cuda").half()
-        ws = torch.empty(nh, S, d, device="cuda"), torch.empty(nh, S, 2, device="cuda")
-        us = time_graph(lambda i: ops.paged_attention(out, *ws, q, k[i % a.layers],
-                                                      v[i % a.layers], table, pos))
+        q = torch.empty(1, nh, d, device="cuda").half()
+        ws = torch.empty(nh, S_eng, d, device="cuda"), torch.empty(nh, S_eng, 2, device="cuda")
+
+        def pair(i):
+            ops.rope_kv_write(q, k[i % a.layers], v[i % a.layers], qkv, cos, sin, pos, table)
+            ops.paged_attention(out, *ws, q[0], k[i % a.layers], v[i % a.layers], table, pos)
+
         mb = 2 * L * nkv * d * 2 / 1e6
-        gbs = mb * 1e6 / (us * 1e-6) / 1e9
-        print(f"| {L} | {S} | {us:.2f} | {mb:.2f} | {gbs:.0f} | {100 * gbs / COPY_GBS:.1f} |")
+        res = {"pair": (S_eng, time_graph(pair))}
+        counters = torch.zeros(nkv, dtype=torch.int32, device="cuda")
+        for S, mp in variants:
+            S = max(1, min(pages, S))
+            wsf = torch.empty(nh, S, d, device="cuda"), torch.empty(nh, S, 2, device="cuda")
+            os.environ["NANOQWEN_ATTN_MIN_PPS"] = str(mp)  # read at launch, i.e. at capture
+            res[f"fused S={S} min_pps={mp}"] = (S, time_graph(
+                lambda i: ops.attention_decode(out, *wsf, counters, qkv, k[i % a.layers],
+                                               v[i % a.layers], cos, sin, table, pos)))
+        os.environ.pop("NANOQWEN_ATTN_MIN_PPS", None)
+        assert int(counters.abs().sum()) == 0
+        for name, (S, us) in res.items():
+            gbs = mb * 1e6 / (us * 1e-6) / 1e9
+            rows.append(f"| {L} | {name} | {us:.2f} | {mb:.2f} | {gbs:.0f} | "
+                        f"{100 * gbs / COPY_GBS:.1f} |")
+        print("\n".join(rows[-len(res):]), flush=True)
         del k, v
+    print(f"\nnh={nh} nkv={nkv} d={d} SMs={sms} PDL={os.environ.get('NANOQWEN_PDL', '1')}")
+    print("| context | variant | us/call | KV MB | GB/s | % of 4276 |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,9 @@ attn_split_kernel(float* __restrict__ ws_acc, float* __restrict__ ws_ml,
   __shared__ float s_l[kAttnWarps][kMaxGqa];
   __shared__ float s_acc[kAttnWarps][kMaxGqa][HD];
 
+  // PDL: q and the current token's K/V row come from rope_kv_write, the launch just before
+  griddep_wait();
+  griddep_launch_dependents();
   const int kvh = blockIdx.x, split = blockIdx.y;
   const int G = n_heads / n_kv;
   const int len = attn_len(pos_ptr, table_len);
@@ -172,6 +175,8 @@ __global__ void __launch_bounds__(HD)
 attn_combine_kernel(half* __restrict__ out, const float* __restrict__ ws_acc,
                     const float* __restrict__ ws_ml, int table_len,
                     const int32_t* __restrict__ pos_ptr, int num_splits) {
+  griddep_wait();  // PDL: ws_acc / ws_ml come from the split kernel just before
+  griddep_launch_dependents();
   const int h = blockIdx.x, d = threadIdx.x;
   const int len = attn_len(pos_ptr, table_len);
   const int n_pages = (len + kPageSize - 1) / kPageSize;
@@ -199,32 +204,396 @@ cudaError_t paged_attention(half* out, float* ws_acc, float* ws_ml, const half* 
     return cudaErrorInvalidValue;
   const float scale_log2 = scale * 1.4426950408889634f;
   const dim3 grid(n_kv, num_splits);
+  cudaError_t e;
   switch (head_dim) {
     case 64:
-      attn_split_kernel<64><<<grid, kAttnWarps * 32, 0, stream>>>(
-          ws_acc, ws_ml, q, k_cache, v_cache, page_table, table_len, pos, n_heads, n_kv,
-          num_splits, scale_log2);
-      attn_combine_kernel<64><<<n_heads, 64, 0, stream>>>(out, ws_acc, ws_ml, table_len, pos,
-                                                          num_splits);
-      break;
+      e = launch_pdl(attn_split_kernel<64>, grid, dim3(kAttnWarps * 32), 0, stream, ws_acc,
+                     ws_ml, q, k_cache, v_cache, page_table, table_len, pos, n_heads, n_kv,
+                     num_splits, scale_log2);
+      if (e != cudaSuccess) return e;
+      return launch_pdl(attn_combine_kernel<64>, dim3(n_heads), dim3(64), 0, stream, out, ws_acc,
+                        ws_ml, table_len, pos, num_splits);
     case 128:
-      attn_split_kernel<128><<<grid, kAttnWarps * 32, 0, stream>>>(
-          ws_acc, ws_ml, q, k_cache, v_cache, page_table, table_len, pos, n_heads, n_kv,
-          num_splits, scale_log2);
-      attn_combine_kernel<128><<<n_heads, 128, 0, stream>>>(out, ws_acc, ws_ml, table_len, pos,
-                                                            num_splits);
-      break;
+      e = launch_pdl(attn_split_kernel<128>, grid, dim3(kAttnWarps * 32), 0, stream, ws_acc,
+                     ws_ml, q, k_cache, v_cache, page_table, table_len, pos, n_heads, n_kv,
+                     num_splits, scale_log2);
+      if (e != cudaSuccess) return e;
+      return launch_pdl(attn_combine_kernel<128>, dim3(n_heads), dim3(128), 0, stream, out,
+                        ws_acc, ws_ml, table_len, pos, num_splits);
     default:
       return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
-// TEMPORARY (development only, replaced before anything lands)
-cudaError_t attention_decode(half*, float*, float*, int32_t*, const half*, half*, half*,
-                             const float*, const float*, const int32_t*, int, const int32_t*,
-                             int, int, int, int, float, cudaStream_t) {
-  return cudaErrorNotSupported;
+// ---- attention_decode: RoPE + K/V write + split-K attention + split merge, one launch ---------
+//
+// Grid (n_kv, num_splits), 4 warps a block, as paged_attention; split s of kv head h takes pages
+// [s*pps, s*pps + pps) with pps = max(ceil(pages / num_splits), min_pps) (min_pps: fewer, longer
+// splits at short contexts, where the merge's reads cost more than a split's own pages).
+//
+// Block flow:
+//   before griddep_wait (PDL; only data written >= 2 launches back, see common.cuh): pos, the
+//     page table, the RoPE row, and cp.async of the split's first kDecStages-1 K/V pages into a
+//     shared-memory ring. pos is written by the previous step's advance_step, at least three
+//     launches back (advance -> embed_gather -> qkv GEMV -> here), and the K/V of positions
+//     < pos by earlier steps / prefill. The slot at pos is copied too (stale) but never used.
+//   after the wait: q of the block's G query heads rotated (each split block rotates its own
+//     copy; 448 pairs for the 7B) into shared memory; the block whose split holds pos rotates k,
+//     writes k and v to the cache and keeps them in shared memory, where the score loop takes
+//     that one row from instead of the (stale) ring copy.
+//   the page loop: one block barrier per page (every thread reaches it; no barrier sits in a
+//     warp-dependent branch), the copy of page i+kDecStages-1 is issued right after it.
+//     A lane group of HD/8 lanes owns one K/V row (16-byte loads, dims [c*8, c*8+8) per lane),
+//     so a warp covers 256/HD rows at once; scores are reduced over the lane group with
+//     shuffles; online softmax in base 2 per lane group; tokens >= the split's end (the stale
+//     tail of a partial last page) get score -inf and V = 0, so garbage (even inf/NaN) never
+//     reaches the sums. Running maxima start at -1e30 (finite), so a lane group that has seen
+//     only masked tokens keeps corr = 1, p = 0 and no NaN appears.
+//   lane groups merged by shuffles, warps through shared memory (aliasing the drained ring),
+//     the split's (m, l, acc) written to ws like paged_attention's split kernel.
+//   "last block": __threadfence, atomicAdd on counters[h]; the block that sees n_active-1
+//     merges all active splits of kv head h in split order (the attn_combine formula; so the
+//     result does not depend on which block finishes last) and resets counters[h] to 0.
+constexpr int kDecWarps = 4;
+constexpr int kDecThreads = kDecWarps * 32;
+constexpr int kDecStages = 4;       // K/V pages in the shared-memory ring (3 in flight)
+constexpr int kDecMinPpsDefault = 2;
+constexpr float kNegBig = -1e30f;   // finite "minus infinity" for running maxima
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// HF rotate_half of the pair (a, b) = (x[d], x[d + D/2]) by (c, s), fp32, explicit roundings so
+// the result cannot depend on how the compiler contracts it. Identical copy in rope_kv.cu (the
+// two must agree bit for bit: attention_decode == rope_kv_write + paged_attention).
+__device__ __forceinline__ void rope_pair(float a, float b, float c, float s, half& lo, half& hi) {
+  lo = __float2half_rn(__fmaf_rn(a, c, -__fmul_rn(b, s)));
+  hi = __float2half_rn(__fmaf_rn(b, c, __fmul_rn(a, s)));
+}
+
+__device__ __forceinline__ void half8_to_float(float (&f)[8], uint4 u) {
+  const half2* h = reinterpret_cast<const half2*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __half22float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kDecThreads)
+attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __restrict__ ws_ml,
+                   int32_t* __restrict__ counters, const half* __restrict__ qkv,
+                   half* __restrict__ k_cache, half* __restrict__ v_cache,
+                   const float* __restrict__ cos_table, const float* __restrict__ sin_table,
+                   const int32_t* __restrict__ page_table, int table_len,
+                   const int32_t* __restrict__ pos_ptr, int n_heads, int n_kv, int num_splits,
+                   int min_pps, float scale_log2) {
+  constexpr int LPR = HD / 8;                      // lanes per K/V row (16 B each)
+  constexpr int RPW = 32 / LPR;                    // rows a warp covers at once
+  constexpr int TPT = kPageSize / (kDecWarps * RPW);  // tokens per thread per page
+  static_assert(TPT >= 1 && TPT * kDecWarps * RPW == kPageSize, "page / warp layout");
+  constexpr int kPageHalves = kPageSize * HD;      // one page of K (or V) of one kv head
+  constexpr int kRingBytes = kDecStages * 2 * kPageHalves * 2;
+  constexpr int kMergeBytes = kDecWarps * kMaxGqa * HD * 4;
+  static_assert(kMergeBytes <= kRingBytes, "warp-merge buffer aliases the ring");
+  constexpr int kChunks = 2 * kPageSize * LPR;     // 16-byte copies per page (K and V)
+  static_assert(kChunks % kDecThreads == 0, "copies per thread");
+
+  __shared__ __align__(16) unsigned char s_raw[kRingBytes];
+  __shared__ float s_q[kMaxGqa][HD];
+  __shared__ __align__(16) half s_knew[HD];
+  __shared__ __align__(16) half s_vnew[HD];
+  __shared__ float s_wm[kDecWarps][kMaxGqa], s_wl[kDecWarps][kMaxGqa];
+  __shared__ int s_last;
+  half* ring = reinterpret_cast<half*>(s_raw);     // [stage][K|V][16][HD]
+  float* s_wacc = reinterpret_cast<float*>(s_raw); // [warp][g][HD], after the ring is drained
+
+  const int kvh = blockIdx.x, split = blockIdx.y;
+  const int G = n_heads / n_kv;
+  const int head0 = kvh * G;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  constexpr int half_d = HD / 2;
+
+  // ---- before griddep_wait: only data written >= 2 launches back ----
+  const int p = pos_ptr[0];
+  const int cap = table_len * kPageSize;
+  const int len = max(min(p + 1, cap), 1);
+  const int n_pages = (len + kPageSize - 1) / kPageSize;
+  const int pps = max((n_pages + num_splits - 1) / num_splits, min_pps);
+  const int n_active = (n_pages + pps - 1) / pps;
+  const int p_begin = split * pps;
+  if (p_begin >= n_pages) return;  // empty split: whole block, before any barrier or write
+  const int p_end = min(p_begin + pps, n_pages);
+  const int np = p_end - p_begin;
+  const int t_end = min(p_end * kPageSize, len);
+  const bool in_cache = p >= 0 && p < cap;
+  const int new_t = in_cache && p >= p_begin * kPageSize && p < t_end ? p : -1;
+  const int p_tab = p < 0 ? 0 : (p < cap ? p : cap - 1);
+  const size_t slot_stride = (size_t)n_kv * HD;
+
+  auto issue_page = [&](int i) {  // copy page p_begin + i of this kv head into stage i % S
+    const size_t page = (size_t)page_table[p_begin + i];
+    half* st = ring + (size_t)(i % kDecStages) * 2 * kPageHalves;
+#pragma unroll
+    for (int k = 0; k < kChunks / kDecThreads; ++k) {
+      const int c = tid + k * kDecThreads;
+      const int which = c / (kPageSize * LPR), rem = c % (kPageSize * LPR);
+      const int row = rem / LPR, col = (rem % LPR) * 8;
+      const half* src = (which ? v_cache : k_cache) + (page * kPageSize + row) * slot_stride +
+                        (size_t)kvh * HD + col;
+      cp_async16(st + which * kPageHalves + row * HD + col, src);
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < kDecStages - 1; ++i) {
+    if (i < np) issue_page(i);
+    cp_async_commit();  // always: keeps the group count uniform for wait_group below
+  }
+  // this thread's RoPE pairs of q: i = tid + k*128 over G * HD/2 pairs (at most 4 for 8 x 64)
+  constexpr int kQPairs = (kMaxGqa * half_d + kDecThreads - 1) / kDecThreads;
+  float cq[kQPairs], sq[kQPairs];
+#pragma unroll
+  for (int k = 0; k < kQPairs; ++k) {
+    const int d = (tid + k * kDecThreads) % half_d;
+    cq[k] = cos_table[(size_t)p_tab * half_d + d];
+    sq[k] = sin_table[(size_t)p_tab * half_d + d];
+  }
+
+  // ---- after the wait: qkv (the GEMV just before), cache writes, ws, counters ----
+  griddep_wait();
+  griddep_launch_dependents();
+
+#pragma unroll
+  for (int k = 0; k < kQPairs; ++k) {
+    const int i = tid + k * kDecThreads;
+    if (i < G * half_d) {
+      const int g = i / half_d, d = i % half_d;
+      const half* x = qkv + (size_t)(head0 + g) * HD;
+      half lo, hi;
+      rope_pair(__half2float(x[d]), __half2float(x[d + half_d]), cq[k], sq[k], lo, hi);
+      s_q[g][d] = __half2float(lo) * scale_log2;  // = paged_attention's load of q_out
+      s_q[g][d + half_d] = __half2float(hi) * scale_log2;
+    }
+  }
+  if (new_t >= 0) {  // block-uniform: this split holds pos, and pos is inside the table
+    const size_t slot = ((size_t)page_table[p / kPageSize] * kPageSize + p % kPageSize) *
+                            slot_stride + (size_t)kvh * HD;
+    const half* xk = qkv + (size_t)(n_heads + kvh) * HD;
+    const half* xv = qkv + (size_t)(n_heads + n_kv + kvh) * HD;
+    for (int d = tid; d < half_d; d += kDecThreads) {
+      half lo, hi;
+      rope_pair(__half2float(xk[d]), __half2float(xk[d + half_d]),
+                cos_table[(size_t)p_tab * half_d + d], sin_table[(size_t)p_tab * half_d + d],
+                lo, hi);
+      k_cache[slot + d] = lo;
+      k_cache[slot + d + half_d] = hi;
+      s_knew[d] = lo;
+      s_knew[d + half_d] = hi;
+    }
+    for (int d = tid; d < HD; d += kDecThreads) {
+      const half v = xv[d];
+      v_cache[slot + d] = v;
+      s_vnew[d] = v;
+    }
+  }
+  __syncthreads();  // s_q, s_knew, s_vnew
+
+  const int grp = lane / LPR, col = (lane % LPR) * 8;
+  float qr[kMaxGqa][8];
+#pragma unroll
+  for (int g = 0; g < kMaxGqa; ++g)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) qr[g][e] = g < G ? s_q[g][col + e] : 0.f;
+  float m[kMaxGqa], l[kMaxGqa], acc[kMaxGqa][8];
+#pragma unroll
+  for (int g = 0; g < kMaxGqa; ++g) {
+    m[g] = kNegBig;
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
+  }
+
+  for (int i = 0; i < np; ++i) {
+    cp_async_wait<kDecStages - 2>();  // this thread's copies of page i have landed
+    __syncthreads();                  // everyone's have; everyone is done with page i-1's stage
+    if (i + kDecStages - 1 < np) issue_page(i + kDecStages - 1);
+    cp_async_commit();
+    const half* st = ring + (size_t)(i % kDecStages) * 2 * kPageHalves;
+    const int t0 = (p_begin + i) * kPageSize;
+    float kf[TPT][8], vf[TPT][8];
+    bool valid[TPT];
+#pragma unroll
+    for (int j = 0; j < TPT; ++j) {
+      const int slot = j * kDecWarps * RPW + warp * RPW + grp;
+      const int t = t0 + slot;
+      valid[j] = t < t_end;
+      const bool fresh = t == new_t;
+      const uint4 ku = *reinterpret_cast<const uint4*>(fresh ? s_knew + col : st + slot * HD + col);
+      const uint4 vu = *reinterpret_cast<const uint4*>(
+          fresh ? s_vnew + col : st + kPageHalves + slot * HD + col);
+      half8_to_float(kf[j], ku);
+      half8_to_float(vf[j], vu);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) vf[j][e] = valid[j] ? vf[j][e] : 0.f;  // 0 * inf would be NaN
+    }
+#pragma unroll
+    for (int g = 0; g < kMaxGqa; ++g) {
+      if (g < G) {  // uniform over the block: the shuffles below see whole warps
+        float sc[TPT];
+        float mn = m[g];
+#pragma unroll
+        for (int j = 0; j < TPT; ++j) {
+          float d0 = 0.f;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) d0 = fmaf(qr[g][e], kf[j][e], d0);
+#pragma unroll
+          for (int o = LPR / 2; o > 0; o >>= 1) d0 += __shfl_xor_sync(0xffffffffu, d0, o);
+          sc[j] = valid[j] ? d0 : -CUDART_INF_F;
+          mn = fmaxf(mn, sc[j]);
+        }
+        const float corr = exp2f(m[g] - mn);  // both finite
+        float psum = 0.f, pv[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) pv[e] = 0.f;
+#pragma unroll
+        for (int j = 0; j < TPT; ++j) {
+          const float pj = exp2f(sc[j] - mn);  // 0 for masked tokens
+          psum += pj;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) pv[e] = fmaf(pj, vf[j][e], pv[e]);
+        }
+        l[g] = fmaf(l[g], corr, psum);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(acc[g][e], corr, pv[e]);
+        m[g] = mn;
+      }
+    }
+  }
+
+  // lane groups of a warp -> group 0 (xor shuffles; every lane takes part)
+#pragma unroll
+  for (int o = LPR; o < 32; o <<= 1) {
+#pragma unroll
+    for (int g = 0; g < kMaxGqa; ++g) {
+      if (g < G) {
+        const float mo = __shfl_xor_sync(0xffffffffu, m[g], o);
+        const float lo = __shfl_xor_sync(0xffffffffu, l[g], o);
+        const float M = fmaxf(m[g], mo);
+        const float f = exp2f(m[g] - M), fo = exp2f(mo - M);
+        l[g] = fmaf(l[g], f, lo * fo);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float ao = __shfl_xor_sync(0xffffffffu, acc[g][e], o);
+          acc[g][e] = fmaf(acc[g][e], f, ao * fo);
+        }
+        m[g] = M;
+      }
+    }
+  }
+  cp_async_wait<0>();  // only empty groups can be left, but drain before the ring is reused
+  __syncthreads();     // every warp is done reading the ring
+  if (lane < LPR) {
+#pragma unroll
+    for (int g = 0; g < kMaxGqa; ++g) {
+      if (g < G) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s_wacc[(warp * kMaxGqa + g) * HD + col + e] = acc[g][e];
+        if (lane == 0) {
+          s_wm[warp][g] = m[g];
+          s_wl[warp][g] = l[g];
+        }
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < G * HD; i += kDecThreads) {
+    const int g = i / HD, d = i % HD;
+    float M = kNegBig;
+#pragma unroll
+    for (int w = 0; w < kDecWarps; ++w) M = fmaxf(M, s_wm[w][g]);
+    float o = 0.f, L = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecWarps; ++w) {
+      const float f = exp2f(s_wm[w][g] - M);  // 0 for a warp that saw only masked tokens
+      o = fmaf(s_wacc[(w * kMaxGqa + g) * HD + d], f, o);
+      L = fmaf(s_wl[w][g], f, L);
+    }
+    const size_t sl = (size_t)(head0 + g) * num_splits + split;
+    ws_acc[sl * HD + d] = o;
+    if (d == 0) {
+      ws_ml[sl * 2] = M;
+      ws_ml[sl * 2 + 1] = L;
+    }
+  }
+
+  // ---- the last active split block of this kv head merges ----
+  __threadfence();  // this thread's ws writes are visible device-wide before the count
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(&counters[kvh], 1) == n_active - 1;
+  __syncthreads();
+  if (!s_last) return;  // block-uniform
+  __threadfence();      // acquire side: other blocks' ws writes are read after the count
+  for (int i = tid; i < G * HD; i += kDecThreads) {
+    const int g = i / HD, d = i % HD;
+    const float* ml = ws_ml + (size_t)(head0 + g) * num_splits * 2;
+    const float* ac = ws_acc + (size_t)(head0 + g) * num_splits * HD + d;
+    float M = -CUDART_INF_F;
+    for (int s = 0; s < n_active; ++s) M = fmaxf(M, __ldcg(ml + 2 * s));
+    float L = 0.f, o = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < n_active; ++s) {  // split order: deterministic
+      const float f = exp2f(__ldcg(ml + 2 * s) - M);
+      L = fmaf(__ldcg(ml + 2 * s + 1), f, L);
+      o = fmaf(__ldcg(ac + (size_t)s * HD), f, o);
+    }
+    out[(size_t)(head0 + g) * HD + d] = __float2half_rn(o / L);
+  }
+  if (tid == 0) counters[kvh] = 0;  // every active block of this kv head has counted
+}
+
+// NANOQWEN_ATTN_MIN_PPS=n overrides the minimum pages per split (benchmark sweeps; read at
+// every launch, which costs ~0.1 us of host time and nothing under a captured graph).
+static int decode_min_pps() {
+  const char* e = getenv("NANOQWEN_ATTN_MIN_PPS");
+  const int v = e ? atoi(e) : 0;
+  return v >= 1 ? v : kDecMinPpsDefault;
+}
+
+cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* counters,
+                             const half* qkv, half* k_cache, half* v_cache,
+                             const float* cos_table, const float* sin_table,
+                             const int32_t* page_table, int table_len, const int32_t* pos,
+                             int n_heads, int n_kv, int head_dim, int num_splits, float scale,
+                             cudaStream_t stream) {
+  if (n_kv <= 0 || n_heads % n_kv || n_heads / n_kv > kMaxGqa || num_splits <= 0 ||
+      table_len <= 0)
+    return cudaErrorInvalidValue;
+  const float scale_log2 = scale * 1.4426950408889634f;
+  const dim3 grid(n_kv, num_splits);
+  const int min_pps = decode_min_pps();
+  switch (head_dim) {
+    case 64:
+      return launch_pdl(attn_decode_kernel<64>, grid, dim3(kDecThreads), 0, stream, out, ws_acc,
+                        ws_ml, counters, qkv, k_cache, v_cache, cos_table, sin_table,
+                        page_table, table_len, pos, n_heads, n_kv, num_splits, min_pps,
+                        scale_log2);
+    case 128:
+      return launch_pdl(attn_decode_kernel<128>, grid, dim3(kDecThreads), 0, stream, out,
+                        ws_acc, ws_ml, counters, qkv, k_cache, v_cache, cos_table, sin_table,
+                        page_table, table_len, pos, n_heads, n_kv, num_splits, min_pps,
+                        scale_log2);
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace nanoqwen

@@ -4,9 +4,20 @@
 //   out[d]       = x[d] * cos - x[d + D/2] * sin
 //   out[d + D/2] = x[d + D/2] * cos + x[d] * sin
 // computed in fp32 from the fp16 projection, rounded once to fp16 (the cache's dtype).
+// Launched with PDL (common.cuh): everything is read after griddep_wait (qkv comes from the
+// GEMV just before).
+#include "common.cuh"
 #include "kernels.h"
 
 namespace nanoqwen {
+
+// HF rotate_half of the pair (a, b) = (x[d], x[d + D/2]) by (c, s), fp32, explicit roundings so
+// the result cannot depend on how the compiler contracts it. Identical copy in attention.cu
+// (attention_decode must rotate q and k bit for bit as this kernel does).
+__device__ __forceinline__ void rope_pair(float a, float b, float c, float s, half& lo, half& hi) {
+  lo = __float2half_rn(__fmaf_rn(a, c, -__fmul_rn(b, s)));
+  hi = __float2half_rn(__fmaf_rn(b, c, __fmul_rn(a, s)));
+}
 
 __global__ void rope_kv_write_kernel(half* __restrict__ q_out, half* __restrict__ k_cache,
                                      half* __restrict__ v_cache, const half* __restrict__ qkv,
@@ -15,6 +26,8 @@ __global__ void rope_kv_write_kernel(half* __restrict__ q_out, half* __restrict_
                                      const int32_t* __restrict__ pos_ptr,
                                      const int32_t* __restrict__ page_table, int table_len,
                                      int n_heads, int n_kv, int D) {
+  griddep_wait();
+  griddep_launch_dependents();
   const int t = blockIdx.x;
   const int p = pos_ptr[0] + t;
   const int half_d = D / 2;
@@ -36,8 +49,8 @@ __global__ void rope_kv_write_kernel(half* __restrict__ q_out, half* __restrict_
     const int h = i / half_d, d = i % half_d;
     const half* xh = x + h * D;  // q heads first, then k heads (contiguous in the row)
     const float a = __half2float(xh[d]), b = __half2float(xh[d + half_d]);
-    const float c = cs[d], s = sn[d];
-    const half lo = __float2half_rn(a * c - b * s), hi = __float2half_rn(b * c + a * s);
+    half lo, hi;
+    rope_pair(a, b, cs[d], sn[d], lo, hi);
     if (h < n_heads) {
       half* qo = q_out + ((size_t)t * n_heads + h) * D;
       qo[d] = lo;
@@ -60,10 +73,9 @@ cudaError_t rope_kv_write(half* q_out, half* k_cache, half* v_cache, const half*
                           int n_kv, int head_dim, cudaStream_t stream) {
   if (T <= 0) return cudaSuccess;
   if (head_dim % 2 || n_kv <= 0 || n_heads % n_kv) return cudaErrorInvalidValue;
-  rope_kv_write_kernel<<<T, 256, 0, stream>>>(q_out, k_cache, v_cache, qkv, cos_table,
-                                              sin_table, pos, page_table, table_len, n_heads,
-                                              n_kv, head_dim);
-  return cudaGetLastError();
+  return launch_pdl(rope_kv_write_kernel, dim3(T), dim3(256), 0, stream, q_out, k_cache, v_cache,
+                    qkv, cos_table, sin_table, pos, page_table, table_len, n_heads, n_kv,
+                    head_dim);
 }
 
 }  // namespace nanoqwen

@@ -1,5 +1,6 @@
 """compute-sanitizer memcheck and racecheck of the attention kernels at partial-page lengths
-(tests/gpu/sanitize_attention.py), clean. Skipped where compute-sanitizer is absent."""
+(tests/gpu/sanitize_attention.py for paged_attention + rope_kv_write; this file, run as a
+script, for attention_decode), clean. Skipped where compute-sanitizer is absent."""
 
 from __future__ import annotations
 
@@ -18,19 +19,80 @@ pytestmark = [pytest.mark.cuda, pytest.mark.slow,
 SCRIPT = Path(__file__).with_name("sanitize_attention.py")
 
 
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
-def test_attention_sanitizer_clean(tool):
+def sanitizer_cmd(tool: str, script: Path) -> list[str]:
     exe = shutil.which("compute-sanitizer") or (
         "/usr/local/cuda/bin/compute-sanitizer"
         if os.path.exists("/usr/local/cuda/bin/compute-sanitizer") else None)
     if exe is None:
         pytest.skip("compute-sanitizer not installed")
     # only our attention kernels are instrumented (torch's own kernels are not under test)
-    cmd = [exe, "--tool", tool, "--error-exitcode", "99", "--kernel-name", "kns=attn_",
-           sys.executable, str(SCRIPT)]
+    return [exe, "--tool", tool, "--error-exitcode", "99", "--kernel-name", "kns=attn_",
+            sys.executable, str(script)]
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_attention_sanitizer_clean(tool):
+    cmd = sanitizer_cmd(tool, SCRIPT)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     print(r.stdout[-4000:], r.stderr[-4000:])
     assert r.returncode == 0, f"{tool} exit {r.returncode}"
     assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr or tool == "racecheck"
     if tool == "racecheck":
         assert "RACECHECK SUMMARY: 0 hazards" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_attention_decode_sanitizer_clean(tool):
+    """attention_decode (cp.async ring, fresh-row select, last-block merge) at partial-page
+    lengths, several split counts, pos beyond the table: this file run as a script."""
+    r = subprocess.run(sanitizer_cmd(tool, Path(__file__)), capture_output=True, text=True,
+                       timeout=400)
+    print(r.stdout[-4000:], r.stderr[-4000:])
+    assert r.returncode == 0, f"{tool} exit {r.returncode}"
+    assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr or tool == "racecheck"
+    if tool == "racecheck":
+        assert "RACECHECK SUMMARY: 0 hazards" in r.stdout + r.stderr
+
+
+def _run_attention_decode() -> int:
+    """Standalone body for the sanitizer: attention_decode vs rope_kv_write + paged_attention
+    (same fp16 inputs, fp32 math in another order: within 2e-3); exits non-zero if wrong."""
+    from nanoqwen.engine.build import load_extension
+
+    load_extension()
+    ops = torch.ops.nanoqwen
+    page = 16
+    ok = True
+    for d, nh, nkv, L, pages in ((128, 28, 4, 49, 8), (64, 14, 2, 17, 8), (128, 40, 8, 33, 4),
+                                 (128, 28, 4, 8 * 16 + 3, 8)):  # the last: pos beyond the table
+        g = torch.Generator(device="cuda").manual_seed(L)
+        table = torch.randperm(pages, generator=g, device="cuda").int()
+        kc = torch.randn(pages, page, nkv, d, generator=g, device="cuda").half()
+        vc = torch.randn(pages, page, nkv, d, generator=g, device="cuda").half()
+        qkv = torch.randn(1, (nh + 2 * nkv) * d, generator=g, device="cuda").half()
+        inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+        f = torch.arange(pages * page, device="cuda").float()[:, None] * inv[None]
+        cos, sin = f.cos().contiguous(), f.sin().contiguous()
+        pos = torch.tensor([L - 1], dtype=torch.int32, device="cuda")
+        for splits in (1, 3, 8):
+            ws = torch.empty(nh, splits, d, device="cuda"), torch.empty(nh, splits, 2, device="cuda")
+            k2, v2 = kc.clone(), vc.clone()
+            q = torch.empty(1, nh, d, device="cuda").half()
+            ops.rope_kv_write(q, k2, v2, qkv, cos, sin, pos, table)
+            ref = torch.empty(nh, d, device="cuda").half()
+            ops.paged_attention(ref, *ws, q[0], k2, v2, table, pos)
+            k1, v1 = kc.clone(), vc.clone()
+            cnt = torch.zeros(nkv, dtype=torch.int32, device="cuda")
+            out = torch.empty(nh, d, device="cuda").half()
+            ops.attention_decode(out, *ws, cnt, qkv, k1, v1, cos, sin, table, pos)
+            err = float((out.float() - ref.float()).abs().max())
+            same = bool(torch.equal(k1, k2) and torch.equal(v1, v2))
+            print(f"d={d} nh={nh} nkv={nkv} L={L} splits={splits}: max err {err:.2e} "
+                  f"cache equal {same} counters {cnt.tolist()}")
+            ok &= err < 2e-3 and same and int(cnt.abs().sum()) == 0
+    torch.cuda.synchronize()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_run_attention_decode())

@@ -1,0 +1,238 @@
+"""attention_decode (RoPE + K/V write + split-K paged attention + in-kernel split merge, one
+launch) against (a) an fp32 PyTorch reference and (b) the unfused pair rope_kv_write +
+paged_attention, on fresh random data: partial last pages, shuffled page tables, head_dim 64
+and 128, GQA 1/5/7/8, split counts 1..66, both split-sizing policies (NANOQWEN_ATTN_MIN_PPS).
+Also: the cache after the call equals rope_kv_write's bit for bit, the per-kv-head counters
+are back to zero, repeated calls and a CUDA-graph replay are bitwise equal to an eager call,
+pos beyond the table, a multi-step decode across a page boundary, and bad shapes raising."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+PAGE = 16
+MAX_CTX = 2048
+THETA = 1_000_000.0
+
+
+def ops():
+    return torch.ops.nanoqwen
+
+
+def rope_tables(n_pos: int, d: int):
+    inv_freq = 1.0 / (THETA ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    freqs = torch.arange(n_pos).float()[:, None] * inv_freq[None, :]
+    return freqs.cos().cuda(), freqs.sin().cuda()
+
+
+def rope_ref(x, c, s):
+    """x [h, d] fp32 rotated by one position's cos/sin rows [d/2] (HF rotate_half)."""
+    half = x.shape[-1] // 2
+    c = torch.cat([c, c])[None]
+    s = torch.cat([s, s])[None]
+    return x * c + torch.cat([-x[:, half:], x[:, :half]], -1) * s
+
+
+class Case:
+    """One decode step's inputs: token at position pos over a shuffled paged cache."""
+
+    def __init__(self, gen, d, nh, nkv, pos, num_pages, splits):
+        self.d, self.nh, self.nkv, self.pos0, self.splits = d, nh, nkv, pos, splits
+        self.table = torch.randperm(num_pages, generator=gen, device="cuda").int()
+        self.kc = torch.randn(num_pages, PAGE, nkv, d, generator=gen, device="cuda").half()
+        self.vc = torch.randn(num_pages, PAGE, nkv, d, generator=gen, device="cuda").half()
+        self.cos, self.sin = rope_tables(num_pages * PAGE, d)
+        # q scaled so |q.k|/sqrt(d) reaches ~10: softmax is far from flat
+        self.qkv = torch.randn(1, (nh + 2 * nkv) * d, generator=gen, device="cuda").half()
+        self.qkv[:, :nh * d] *= 2
+        self.pos = torch.tensor([pos], dtype=torch.int32, device="cuda")
+
+    def ws(self):
+        nan = float("nan")
+        return (torch.full((self.nh, self.splits, self.d), nan, device="cuda"),
+                torch.full((self.nh, self.splits, 2), nan, device="cuda"))
+
+    def fused(self, kc=None, vc=None, counters=None):
+        kc = self.kc.clone() if kc is None else kc
+        vc = self.vc.clone() if vc is None else vc
+        counters = torch.zeros(self.nkv, dtype=torch.int32, device="cuda") if counters is None \
+            else counters
+        out = torch.full((self.nh, self.d), float("nan"), device="cuda").half()
+        ops().attention_decode(out, *self.ws(), counters, self.qkv, kc, vc, self.cos, self.sin,
+                               self.table, self.pos)
+        return out, kc, vc, counters
+
+    def pair(self):
+        kc, vc = self.kc.clone(), self.vc.clone()
+        q = torch.full((1, self.nh, self.d), float("nan"), device="cuda").half()
+        ops().rope_kv_write(q, kc, vc, self.qkv, self.cos, self.sin, self.pos, self.table)
+        out = torch.full((self.nh, self.d), float("nan"), device="cuda").half()
+        ops().paged_attention(out, *self.ws(), q[0], kc, vc, self.table, self.pos)
+        return out, kc, vc
+
+    def reference(self):
+        """fp32: RoPE of q and k (rounded once to fp16, as the op stores them), the new k/v in
+        slot pos, softmax attention over positions 0..min(pos, table end)."""
+        nh, nkv, d = self.nh, self.nkv, self.d
+        cap = self.table.numel() * PAGE
+        p_tab = min(max(self.pos0, 0), cap - 1)
+        x = self.qkv[0].float()
+        q = rope_ref(x[:nh * d].view(nh, d), self.cos[p_tab], self.sin[p_tab]).half().float()
+        kc, vc = self.kc.clone(), self.vc.clone()
+        if 0 <= self.pos0 < cap:
+            k = rope_ref(x[nh * d:(nh + nkv) * d].view(nkv, d), self.cos[p_tab], self.sin[p_tab])
+            pg, sl = int(self.table[self.pos0 // PAGE]), self.pos0 % PAGE
+            kc[pg, sl] = k.half()
+            vc[pg, sl] = x[(nh + nkv) * d:].view(nkv, d).half()
+        L = max(min(self.pos0 + 1, cap), 1)
+        p = torch.arange(L, device="cuda")
+        kk = kc[self.table[p // PAGE].long(), p % PAGE].float().repeat_interleave(nh // nkv, 1)
+        vv = vc[self.table[p // PAGE].long(), p % PAGE].float().repeat_interleave(nh // nkv, 1)
+        s = torch.einsum("hd,lhd->hl", q, kk) / math.sqrt(d)
+        return torch.einsum("hl,lhd->hd", torch.softmax(s, -1), vv), kc, vc
+
+
+def check(case: Case):
+    out, kc, vc, counters = case.fused()
+    assert not out.isnan().any()
+    ref, rkc, rvc = case.reference()
+    # fp32 softmax/accumulation, output rounded once to fp16 (2^-11 relative); q/k rounded to
+    # fp16 exactly where the reference rounds them
+    torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
+    pout, pkc, pvc = case.pair()
+    # the same fp16 inputs and fp32 math in a different summation order (16-byte lane groups
+    # vs two tokens per warp; a different split sizing), one rounding to fp16: ~1 fp16 ulp
+    torch.testing.assert_close(out.float(), pout.float(), rtol=1e-3, atol=1e-3)
+    # the cache write is rope_kv_write's, bit for bit (same rotation, same rounding)
+    assert torch.equal(kc, pkc) and torch.equal(vc, pvc)
+    assert torch.equal(vc, rvc)
+    torch.testing.assert_close(kc.float(), rkc.float(), rtol=1e-3, atol=2e-3)
+    assert int(counters.abs().sum()) == 0  # every call leaves the counters zero
+    return out
+
+
+SHAPES = [(128, 28, 4), (64, 14, 2), (128, 40, 8), (128, 16, 2), (64, 8, 8)]  # GQA 7, 7, 5, 8, 1
+
+
+@pytest.mark.parametrize("d,nh,nkv", SHAPES)
+@pytest.mark.parametrize("L", [1, 15, 16, 17, 49, 1000, MAX_CTX])
+@pytest.mark.parametrize("splits", [1, 7, 66])
+def test_attention_decode(gen, d, nh, nkv, L, splits):
+    check(Case(gen, d, nh, nkv, L - 1, MAX_CTX // PAGE, splits))
+
+
+@pytest.mark.parametrize("min_pps", ["1", "3", "64"])
+@pytest.mark.parametrize("L", [17, 49, 1000, MAX_CTX])
+def test_split_sizing_policies(gen, monkeypatch, min_pps, L):
+    """The minimum-pages-per-split knob (read at every launch) changes only the summation
+    order: every setting matches the references."""
+    monkeypatch.setenv("NANOQWEN_ATTN_MIN_PPS", min_pps)
+    check(Case(gen, 128, 28, 4, L - 1, MAX_CTX // PAGE, 66))
+
+
+def test_repeat_and_graph_bitwise(gen):
+    """Two eager calls and a CUDA-graph replay give the same bits (the merge order is fixed,
+    whichever split block finishes last)."""
+    c = Case(gen, 128, 28, 4, 777, MAX_CTX // PAGE, 66)
+    a, kc, vc, counters = c.fused()
+    b, _, _, _ = c.fused(kc, vc, counters)  # same cache again: slot pos rewritten identically
+    assert torch.equal(a, b)
+    out = torch.empty_like(a)
+    ws = c.ws()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            ops().attention_decode(out, *ws, counters, c.qkv, kc, vc, c.cos, c.sin, c.table, c.pos)
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, a)
+    assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("beyond", [0, 5, 100])
+def test_pos_beyond_table(gen, beyond):
+    """pos at or past the table end: nothing is written, attention covers the whole table, q
+    takes the tables' last row (as rope_kv_write)."""
+    num_pages = 6
+    c = Case(gen, 128, 28, 4, num_pages * PAGE + beyond, num_pages, 7)
+    out = check(c)
+    o2, kc, vc, _ = c.fused()
+    assert torch.equal(kc, c.kc) and torch.equal(vc, c.vc)
+    assert torch.equal(o2, out)
+
+
+def test_stale_tail_ignored(gen):
+    """Slots past pos on a partial last page hold garbage (even inf) that must not leak in."""
+    c = Case(gen, 128, 28, 4, 16, 4, 8)  # L = 17: page table[1] holds one live slot
+    a, _, _, _ = c.fused()
+    pg = int(c.table[1])
+    c.kc[pg, 1:] = 1e4
+    c.vc[pg, 1:] = float("inf")
+    b, _, _, _ = c.fused()
+    assert torch.equal(a, b)
+
+
+def test_decode_steps_across_page_boundary(gen):
+    """Consecutive positions 13..34 on one cache and one counters tensor, as the engine runs
+    it: every step matches the unfused pair, and the cache ends up identical."""
+    nh, nkv, d = 28, 4, 128
+    c = Case(gen, d, nh, nkv, 13, 8, 66)
+    kc, vc = c.kc.clone(), c.vc.clone()
+    counters = torch.zeros(nkv, dtype=torch.int32, device="cuda")
+    for p in range(13, 35):
+        c.pos.fill_(p)
+        c.pos0 = p
+        c.qkv.normal_(generator=gen)
+        c.kc, c.vc = kc.clone(), vc.clone()
+        pout, pkc, pvc = c.pair()
+        out, kc, vc, counters = c.fused(kc, vc, counters)
+        torch.testing.assert_close(out.float(), pout.float(), rtol=1e-3, atol=1e-3)
+        assert torch.equal(kc, pkc) and torch.equal(vc, pvc)
+        assert int(counters.abs().sum()) == 0
+
+
+def test_bad_arguments_raise_with_numbers():
+    d, nh, nkv = 128, 28, 4
+    kc = torch.zeros(4, PAGE, nkv, d, device="cuda").half()
+    cos = torch.zeros(64, d // 2, device="cuda")
+    table = torch.zeros(4, dtype=torch.int32, device="cuda")
+    pos = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def call(out=None, ws_acc=None, ws_ml=None, counters=None, qkv=None, k=kc, cs=cos, tab=table):
+        out = torch.empty(nh, d, device="cuda").half() if out is None else out
+        ws_acc = torch.empty(nh, 3, d, device="cuda") if ws_acc is None else ws_acc
+        ws_ml = torch.empty(nh, 3, 2, device="cuda") if ws_ml is None else ws_ml
+        counters = torch.zeros(nkv, dtype=torch.int32, device="cuda") if counters is None \
+            else counters
+        qkv = torch.zeros(1, (nh + 2 * nkv) * d, device="cuda").half() if qkv is None else qkv
+        ops().attention_decode(out, ws_acc, ws_ml, counters, qkv, k, k.clone(), cs, cs.clone(),
+                               tab, pos)
+
+    call()  # the baseline is valid
+    with pytest.raises(RuntimeError, match=r"qkv has 4607 elements, expected .* = 4608"):
+        call(qkv=torch.zeros(4607, device="cuda").half())
+    with pytest.raises(RuntimeError, match=r"counters has shape \[3\], expected \[4\]"):
+        call(counters=torch.zeros(3, dtype=torch.int32, device="cuda"))
+    with pytest.raises(RuntimeError, match=r"ws_ml has shape \[28, 2, 2\], expected \[28, 3, 2\]"):
+        call(ws_ml=torch.empty(nh, 2, 2, device="cuda"))
+    with pytest.raises(RuntimeError, match="n_heads=36 / n_kv_heads=4"):
+        call(out=torch.empty(36, d, device="cuda").half(),
+             ws_acc=torch.empty(36, 3, d, device="cuda"), ws_ml=torch.empty(36, 3, 2, device="cuda"),
+             qkv=torch.zeros((36 + 8) * d, device="cuda").half())
+    with pytest.raises(RuntimeError, match="head_dim=96 is not supported"):
+        call(k=torch.zeros(4, PAGE, nkv, 96, device="cuda").half())
+    with pytest.raises(RuntimeError, match="RoPE tables have 32 rows but the page table covers 64"):
+        call(cs=torch.zeros(32, d // 2, device="cuda"))
+    with pytest.raises(RuntimeError, match="counters must be Int"):
+        call(counters=torch.zeros(nkv, dtype=torch.int64, device="cuda"))
