@@ -18,8 +18,15 @@
 //   x, qweight, w 16-byte aligned (torch allocations are; a sliced view may not be);
 //   all tensors contiguous, row-major, on the current device.
 // n may be anything >= 1 (no multiple of 8/32 needed): rows past n are never read or written.
-// INT4 accuracy: products of exact q with fp16 x are summed four deep in fp16, then in fp32, so
-// |x| must stay below 2339 (65504 / (4*7)) for the INT4 GEMVs; rel. error vs fp32 about 4e-4.
+// INT4 accuracy: the launchers use the v4 (ps_*) kernels: products of exact q with fp16 x are
+// summed four deep in fp16 (h16) or not at all (f32), then in fp32. For h16, each block scales x
+// by 2^-e (e >= 0 smallest with max|x| * 2^-e <= 1024; exact for normal results) and the sums
+// back by 2^e, so no finite x overflows (the old v2/tc variants, still in the benchmark table,
+// need |x| < 2339). rel. error vs fp64 about 4e-4 (h16), 1e-7 (f32) before the output rounding.
+// Determinism: every output is written by one thread after a fixed-order reduction (no atomics),
+// so results are bit-identical run to run, graph or eager.
+// PDL: every GEMV is launched with nanoqwen::launch_pdl and follows common.cuh's rules (weights
+// and scales are loaded before griddep_wait(); x, hidden, bias and outputs only after it).
 // Outputs must not alias inputs. All launchers are safe to capture in a CUDA graph.
 #pragma once
 
@@ -83,10 +90,20 @@ const char* gemv_int4_variant_name(int variant);
 cudaError_t gemv_int4_bench(int variant, int op, void* out, const half* x, const uint32_t* qw,
                             const half* sc, const uint32_t* qw2, const half* sc2,
                             const half* bias, int n, int k, cudaStream_t stream);
+// The same with the fused RMSNorm (op 0 = gemv_int4_norm, 2 = gemv_int4_silu_mul_norm); only the
+// variants for which gemv_int4_variant_supports_norm() is 1 accept it (others fail).
+cudaError_t gemv_int4_norm_bench(int variant, int op, void* out, const float* hidden,
+                                 const half* norm_w, float eps, const uint32_t* qw, const half* sc,
+                                 const uint32_t* qw2, const half* sc2, const half* bias, int n,
+                                 int k, cudaStream_t stream);
+int gemv_int4_variant_supports_norm(int variant);
 int gemv_fp16_variant_count(void);
 const char* gemv_fp16_variant_name(int variant);
 cudaError_t gemv_fp16_bench(int variant, float* logits, const half* x, const half* w, int n,
                             int k, cudaStream_t stream);
+cudaError_t gemv_fp16_norm_bench(int variant, float* logits, const float* hidden,
+                                 const half* norm_w, float eps, const half* w, int n, int k,
+                                 cudaStream_t stream);
 
 // internal: shared by the two .cu files to record a failed check; returns cudaErrorInvalidValue.
 cudaError_t gemv_fail_(const char* fmt, ...);

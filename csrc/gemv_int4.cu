@@ -51,6 +51,11 @@ struct Args {
   const half* bias;     // OP_STORE only, may be null
   int n;
   int k;
+  // fused RMSNorm (gemv_int4_norm / gemv_int4_silu_mul_norm): x is not read, it is computed per
+  // block from hidden; only the v4 (ps_*) variants support it
+  const float* hidden = nullptr;
+  const half* norm_w = nullptr;
+  float eps = 0.f;
 };
 
 __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
@@ -172,6 +177,10 @@ __global__ void __launch_bounds__(kThreads) gemv_int4_kernel(const Args a) {
 
   int c0 = lane;
   load_step(c0);  // the first step's weights are in flight while x is staged
+  // PDL (common.cuh): weights are constant, so they were loaded before the wait; x, the bias and
+  // the output only after it
+  nanoqwen::griddep_wait();
+  nanoqwen::griddep_launch_dependents();
   if constexpr (XS) {
     // Lane l needs x[32c .. 32c+31] for its chunk c: read straight from global that is four
     // 16-byte loads with a 64-byte lane stride, 16 L1 lines per instruction, and it capped v1 at
@@ -312,6 +321,8 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tc_
 #pragma unroll
   for (int d = 0; d < D; ++d)
     if (d < cnt) load(d);
+  nanoqwen::griddep_wait();  // PDL: x and the output only after the wait (common.cuh)
+  nanoqwen::griddep_launch_dependents();
   {  // stage this warp's x: 16 pieces per group, piece p = 4t + j stored at 4j + t; for DQ_CORR
      // the words of a piece are reordered to (x01, x45, x23, x67) so that each mma's B operand
      // (x01, x45) / (x23, x67) is a register pair as loaded (no moves)
@@ -438,6 +449,310 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tc_
   }
 }
 
+// ---- v4: persistent streaming kernel (ps_* variants) -------------------------------------------
+// The grid is one block per SM (x BPS); block b owns the contiguous rows [b*n/G, (b+1)*n/G), so x
+// (or the fused RMSNorm) is staged into shared memory once per block, not once per 8 rows. The
+// block's rows are cut into "segments" -- 32 consecutive 16-byte chunks of one row, one warp-wide
+// 512-byte load -- and the block's segment list (row-major) is split into W contiguous,
+// equal-length (+-1) ranges, one per warp: split-K falls out for long rows (down_proj: a row is
+// 19 segments, a warp ~32), whole rows for short ones, and the load is balanced to one segment
+// whatever n and k are. Each warp runs a ring of D segments of weight (and scale) loads: segment
+// s+D is issued as soon as segment s is consumed, so loads stay in flight across row boundaries
+// (no per-row drain); the first D are issued BEFORE griddep_wait(), overlapping the previous
+// kernel's tail under PDL and this block's x staging / norm prologue.
+// A row finished inside one warp is written by that warp; a row shared by several warps (at most
+// one at each end of a warp's range) leaves one fp32 partial per warp in shared memory, and after
+// the block barrier the first warp's slot plus the following warps' slots are added in warp
+// order: deterministic, no atomics, every row written exactly once.
+// Accumulation: ACC_H16W (q*x products summed four deep in fp16, then fp32) or ACC_F32. For
+// H16W, x is pre-scaled by 2^-e (e >= 0 the smallest with max|x| * 2^-e <= 1024, exact except for
+// values that become fp16 subnormals, whose contribution is < 2^-24 * 2^e each) and the fp32 sum
+// multiplied back by 2^e: four products |q| <= 8 of |x'| <= 1024 stay below 32768, so there is no
+// |x| limit at all (fp16 x is finite, <= 65504).
+// Dequant (Marlin's trick, 9 instructions per 8 weights): lo = lop3(w, 0x000F000F, 0x64006400) =
+// half2(1024 + u) -> q = lo - 1032; hi = lop3(w, 0x00F000F0, 0x64006400) = half2(1024 + 16u) ->
+// q = hi/16 - 72 (one hfma2, exact); on w and w >> 8 these are the pairs k {0,1}, {2,3}, {4,5},
+// {6,7} of the word (nibble order {0,2,4,6,1,3,5,7}).
+
+// Loads that must not be moved past griddep_wait() by the compiler (volatile asm keeps their
+// order relative to the wait's volatile asm; the common.cuh helper is not volatile).
+__device__ __forceinline__ uint4 ld_w_early(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ half ld_s_early(const half* p) {
+  unsigned short v;
+  asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return __ushort_as_half(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = (blockDim.x + 31) >> 5;
+  v = nanoqwen::warp_max(v);
+  __syncthreads();  // scratch may still be read by a previous reduction
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  return nanoqwen::warp_max(lane < nwarps ? scratch[lane] : 0.f);
+}
+
+__device__ __forceinline__ uint32_t h2_bits(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+
+__device__ __forceinline__ float piece_amax(const uint4& v) {
+  const half2 m = __hmax2(__hmax2(__habs2(as_h2(v.x)), __habs2(as_h2(v.y))),
+                          __hmax2(__habs2(as_h2(v.z)), __habs2(as_h2(v.w))));
+  const float2 f = __half22float2(m);
+  return fmaxf(f.x, f.y);
+}
+
+// Stages x (given, or RMSNorm(hidden) * norm_w rounded to half exactly as csrc/embed_norm.cu's
+// rmsnorm kernel rounds it) into xs, transposed to [4][C] 16-byte pieces (piece j of chunk c at
+// xs[j*C + c]: a warp's read of piece j is 512 contiguous bytes, conflict-free). With PRESCALE,
+// x is multiplied by 2^-e (see above) and 2^e is returned. Called by every thread of the block;
+// ends with a barrier.
+template <int THREADS, bool NORM, bool PRESCALE>
+__device__ __forceinline__ float stage_x(const Args& a, uint4* xs, float* scratch) {
+  const int C = a.k >> 5, P = a.k >> 3;  // P: 16-byte pieces of x
+  float amax = 0.f;
+  if constexpr (NORM) {
+    const float4* h4 = reinterpret_cast<const float4*>(a.hidden);
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < (a.k >> 2); i += THREADS) {
+      const float4 v = h4[i];
+      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    ss = nanoqwen::block_sum(ss, scratch);
+    const float r = rsqrtf(ss / (float)a.k + a.eps);
+    const uint4* w4 = reinterpret_cast<const uint4*>(a.norm_w);
+    for (int i = threadIdx.x; i < P; i += THREADS) {
+      const float4 h0 = h4[2 * i], h1 = h4[2 * i + 1];
+      const uint4 wq = __ldg(w4 + i);
+      const float2 w0 = __half22float2(as_h2(wq.x)), w1 = __half22float2(as_h2(wq.y)),
+                   w2 = __half22float2(as_h2(wq.z)), w3 = __half22float2(as_h2(wq.w));
+      uint4 o;
+      o.x = h2_bits(__floats2half2_rn(w0.x * (h0.x * r), w0.y * (h0.y * r)));
+      o.y = h2_bits(__floats2half2_rn(w1.x * (h0.z * r), w1.y * (h0.w * r)));
+      o.z = h2_bits(__floats2half2_rn(w2.x * (h1.x * r), w2.y * (h1.y * r)));
+      o.w = h2_bits(__floats2half2_rn(w3.x * (h1.z * r), w3.y * (h1.w * r)));
+      xs[(i & 3) * C + (i >> 2)] = o;
+      if constexpr (PRESCALE) amax = fmaxf(amax, piece_amax(o));
+    }
+  } else {
+    const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
+    for (int i = threadIdx.x; i < P; i += THREADS) {
+      const uint4 v = __ldg(x4 + i);
+      xs[(i & 3) * C + (i >> 2)] = v;
+      if constexpr (PRESCALE) amax = fmaxf(amax, piece_amax(v));
+    }
+  }
+  if constexpr (!PRESCALE) {
+    __syncthreads();
+    return 1.f;
+  } else {
+    amax = block_max(amax, scratch);  // its barriers also publish the stores above
+    int e = 0;
+    for (; e < 16 && amax > 1024.f; ++e) amax *= 0.5f;  // NaN/inf: e stays small, NaN propagates
+    if (e) {  // block-uniform; each thread rescales the pieces it wrote
+      const half2 s2 = __float2half2_rn(ldexpf(1.f, -e));
+      for (int i = threadIdx.x; i < P; i += THREADS) {
+        uint4& v = xs[(i & 3) * C + (i >> 2)];
+        v = make_uint4(h2_bits(__hmul2(as_h2(v.x), s2)), h2_bits(__hmul2(as_h2(v.y), s2)),
+                       h2_bits(__hmul2(as_h2(v.z), s2)), h2_bits(__hmul2(as_h2(v.w), s2)));
+      }
+    }
+    __syncthreads();
+    return ldexpf(1.f, e);
+  }
+}
+
+// Dot product of one 32-input chunk (weights wv, x pieces xp[0..3]) times the group scale, fp32.
+template <int ACC>
+__device__ __forceinline__ float chunk_dot_v4(const uint4& wv, const uint4 (&xp)[4], half s) {
+  const uint32_t w[4] = {wv.x, wv.y, wv.z, wv.w};
+  const half2 k1032 = as_h2(0x64086408u), k16 = as_h2(0x2C002C00u), k72 = as_h2(0xD480D480u);
+  float r0 = 0.f, r1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t v = w[j], v8 = w[j] >> 8;
+    const half2 q0 = __hsub2(as_h2(lop3_and_or(v, 0x000F000Fu, 0x64006400u)), k1032);
+    const half2 q1 = __hfma2(as_h2(lop3_and_or(v, 0x00F000F0u, 0x64006400u)), k16, k72);
+    const half2 q2 = __hsub2(as_h2(lop3_and_or(v8, 0x000F000Fu, 0x64006400u)), k1032);
+    const half2 q3 = __hfma2(as_h2(lop3_and_or(v8, 0x00F000F0u, 0x64006400u)), k16, k72);
+    const half2 x0 = as_h2(xp[j].x), x1 = as_h2(xp[j].y), x2 = as_h2(xp[j].z), x3 = as_h2(xp[j].w);
+    if constexpr (ACC == ACC_F32) {
+      const half2 q[4] = {q0, q1, q2, q3}, xx[4] = {x0, x1, x2, x3};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 qf = __half22float2(q[i]), xf = __half22float2(xx[i]);
+        r0 = fmaf(qf.x, xf.x, r0);
+        r1 = fmaf(qf.y, xf.y, r1);
+      }
+    } else {
+      half2 acc = __hmul2(q0, x0);
+      acc = __hfma2(q1, x1, acc);
+      acc = __hfma2(q2, x2, acc);
+      acc = __hfma2(q3, x3, acc);
+      const float2 f = __half22float2(acc);
+      r0 += f.x;
+      r1 += f.y;
+    }
+  }
+  return (r0 + r1) * __half2float(s);
+}
+
+template <int OP>
+__device__ __forceinline__ void emit_row(const Args& a, int row, const float (&v)[OP == OP_SILU ? 2 : 1]) {
+  if constexpr (OP == OP_STORE) {
+    float y = v[0];
+    if (a.bias) y += __half2float(a.bias[row]);
+    static_cast<half*>(a.out)[row] = __float2half_rn(y);
+  } else if constexpr (OP == OP_RESID) {
+    static_cast<float*>(a.out)[row] += v[0];
+  } else {
+    const float g = v[0], u = v[1];
+    static_cast<half*>(a.out)[row] = __float2half_rn(g / (1.f + __expf(-g)) * u);
+  }
+}
+
+// shared memory: x (k*2 bytes), partials float[W][2][NM], scratch float[32]
+constexpr int ps_smem_bytes(int k, int warps, int nm) { return k * 2 + (warps * 2 * nm + 32) * 4; }
+
+// LD: 16-byte loads in flight per lane (ring slots D = LD / NM: gate/up loads two per segment)
+template <int THREADS, int LD, int ACC, int OP, bool NORM>
+// at most half an SM's registers (minBlocks 2), so the next kernel's block can co-reside (PDL)
+__global__ void __launch_bounds__(THREADS, 2) gemv_int4_ps_kernel(const Args a) {
+  constexpr int NM = OP == OP_SILU ? 2 : 1;
+  constexpr int D = LD / NM > 0 ? LD / NM : 1;
+  constexpr int W = THREADS / 32;
+  extern __shared__ uint4 xs[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int C = a.k >> 5, G = a.k >> 7, J = (C + 31) >> 5;  // J: segments per row
+  const int r0 = (int)((long long)blockIdx.x * a.n / gridDim.x);
+  const int r1 = (int)((long long)(blockIdx.x + 1) * a.n / gridDim.x);
+  const int T = (r1 - r0) * J;  // the block's segments
+  const int s0 = (int)((long long)warp * T / W), s1 = (int)((long long)(warp + 1) * T / W);
+
+  const uint4* qb[NM];
+  const half* sb[NM];
+  qb[0] = reinterpret_cast<const uint4*>(a.qw);
+  sb[0] = a.sc;
+  if constexpr (NM == 2) {
+    qb[NM - 1] = reinterpret_cast<const uint4*>(a.qw2);
+    sb[NM - 1] = a.sc2;
+  }
+
+  uint4 wv[D][NM];
+  half sv[D][NM];
+  // load cursor: segment ls = row lrow (absolute), segment lj within the row
+  int ls = s0, lrow = r0 + s0 / J, lj = s0 % J;
+  auto issue = [&](int d) {
+    if (ls < s1) {
+      const int c = lj * 32 + lane;
+      if (c < C) {
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+          wv[d][m] = ld_w_early(qb[m] + (size_t)lrow * C + c);
+          sv[d][m] = ld_s_early(sb[m] + (size_t)lrow * G + (c >> 2));
+        }
+      }
+      ++ls;
+      if (++lj == J) {
+        lj = 0;
+        ++lrow;
+      }
+    }
+  };
+#pragma unroll
+  for (int d = 0; d < D; ++d) issue(d);  // weights only: allowed before the wait (common.cuh)
+
+  nanoqwen::griddep_wait();  // x / hidden / the residual are written by earlier kernels
+  nanoqwen::griddep_launch_dependents();
+  float* part = reinterpret_cast<float*>(xs + (a.k >> 3));
+  float* scratch = part + W * 2 * NM;
+  const float xscale = stage_x<THREADS, NORM, ACC != ACC_F32>(a, xs, scratch);
+
+  float acc[NM];
+#pragma unroll
+  for (int m = 0; m < NM; ++m) acc[m] = 0.f;
+  const int frow = r0 + s0 / J;  // this warp's first row
+  int crow = frow, cj = s0 % J;  // compute cursor
+  for (int cs = s0; cs < s1; cs += D) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      if (cs + d < s1) {  // warp-uniform
+        uint4 w[NM];
+        half sc[NM];
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+          w[m] = wv[d][m];
+          sc[m] = sv[d][m];
+        }
+        issue(d);  // refill the slot first: loads stay in flight across the row boundary below
+        const int c = cj * 32 + lane;
+        if (c < C) {
+          uint4 xp[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) xp[j] = xs[j * C + c];
+#pragma unroll
+          for (int m = 0; m < NM; ++m) acc[m] += chunk_dot_v4<ACC>(w[m], xp, sc[m]);
+        }
+        if (cj == J - 1 || cs + d == s1 - 1) {  // end of this warp's part of row crow
+          float v[NM];
+#pragma unroll
+          for (int m = 0; m < NM; ++m) {
+            v[m] = nanoqwen::warp_sum(acc[m]) * xscale;
+            acc[m] = 0.f;
+          }
+          const int rs = (crow - r0) * J;  // the row's first segment (block-local)
+          if (lane == 0) {
+            if (rs >= s0 && rs + J <= s1) {
+              emit_row<OP>(a, crow, v);  // the whole row was this warp's
+            } else {
+              const int slot = crow == frow ? 0 : 1;
+#pragma unroll
+              for (int m = 0; m < NM; ++m) part[(warp * 2 + slot) * NM + m] = v[m];
+            }
+          }
+        }
+        if (++cj == J) {
+          cj = 0;
+          ++crow;
+        }
+      }
+    }
+  }
+
+  // rows shared by several warps: thread w combines the row that starts in warp w's range and
+  // continues past it (warp w's slot, then slot 0 of each later warp touching the row, in order)
+  __syncthreads();
+  if (threadIdx.x < W) {
+    const int w = threadIdx.x;
+    const int a0 = (int)((long long)w * T / W), a1 = (int)((long long)(w + 1) * T / W);
+    if (a1 > a0) {
+      const int lr = (a1 - 1) / J;  // warp w's last row (block-local)
+      const int rs = lr * J, re = rs + J;
+      if (rs >= a0 && re > a1) {
+        const int slot = lr == a0 / J ? 0 : 1;
+        float v[NM];
+#pragma unroll
+        for (int m = 0; m < NM; ++m) v[m] = part[(w * 2 + slot) * NM + m];
+        for (int w2 = w + 1; w2 < W; ++w2) {
+          const int b0 = (int)((long long)w2 * T / W), b1 = (int)((long long)(w2 + 1) * T / W);
+          if (b0 >= re) break;
+          if (b1 > b0) {
+#pragma unroll
+            for (int m = 0; m < NM; ++m) v[m] += part[(w2 * 2) * NM + m];
+          }
+        }
+        emit_row<OP>(a, r0 + lr, v);
+      }
+    }
+  }
+}
+
 // One thread per 16-byte chunk: 32 outputs, written as four 16-byte stores.
 __global__ void __launch_bounds__(256) dequant_int4_kernel(half* w, const uint4* qw, const half* sc,
                                                            size_t total_chunks, int C, int G) {
@@ -481,8 +796,7 @@ cudaError_t launch_op(const Args& a, cudaStream_t stream) {
     if (attr != cudaSuccess) return attr;
     smem = a.k * 2;
   }
-  kern<<<grid, block, smem, stream>>>(a);
-  return cudaGetLastError();
+  return nanoqwen::launch_pdl(kern, grid, block, smem, stream, a);
 }
 
 constexpr int tc_smem_bytes(int k, int nm, int rt, int ks) {
@@ -497,8 +811,7 @@ cudaError_t launch_tc_op(const Args& a, cudaStream_t stream) {
   if (attr != cudaSuccess) return attr;
   const int smem = tc_smem_bytes(a.k, NM, RT, KS);
   const dim3 grid((a.n + 16 * RT - 1) / (16 * RT)), block(KS * 32);
-  kern<<<grid, block, smem, stream>>>(a);
-  return cudaGetLastError();
+  return nanoqwen::launch_pdl(kern, grid, block, smem, stream, a);
 }
 
 template <int RT, int KS, int D, int DQ>
@@ -506,6 +819,7 @@ cudaError_t launch_tc(int op, const Args& a, cudaStream_t stream);
 
 template <int R, int U, int ACC, bool XS>
 cudaError_t launch_int4(int op, const Args& a, cudaStream_t stream) {
+  if (a.hidden) return gemv_fail_("gemv_int4: this variant has no fused RMSNorm (only ps_* do)");
   // k beyond the shared-memory limit (none in the Qwen2.5 family) falls back to x from L1
   if (XS && a.k * 2 > kMaxSmemBytes) return launch_int4<R, U, ACC, false>(op, a, stream);
   switch (op) {
@@ -518,6 +832,7 @@ cudaError_t launch_int4(int op, const Args& a, cudaStream_t stream) {
 
 template <int RT, int KS, int D, int DQ>
 cudaError_t launch_tc(int op, const Args& a, cudaStream_t stream) {
+  if (a.hidden) return gemv_fail_("gemv_int4: this variant has no fused RMSNorm (only ps_* do)");
   // x (k*2 bytes) must fit in shared memory; beyond that (no Qwen2.5 shape) the v2 kernel with x
   // from L1 takes over
   if (tc_smem_bytes(a.k, 2, RT, KS) > kMaxSmemBytes) return launch_int4<1, 2, ACC_H16W, false>(op, a, stream);
@@ -529,13 +844,65 @@ cudaError_t launch_tc(int op, const Args& a, cudaStream_t stream) {
   }
 }
 
+// SM count of the current device (cached per device; not a stream operation, so legal while a
+// graph is being captured)
+int num_sms() {
+  static int cache[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  if (dev < 0 || dev >= 64) return 132;
+  if (!cache[dev]) {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 0;
+    cache[dev] = v;
+  }
+  return cache[dev];
+}
+
+template <int THREADS, int LD, int ACC, int OP, bool NORM, int BPS>
+cudaError_t launch_ps_op(const Args& a, cudaStream_t stream) {
+  auto kern = gemv_int4_ps_kernel<THREADS, LD, ACC, OP, NORM>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemBytes);
+  if (attr != cudaSuccess) return attr;
+  const int sms = num_sms();
+  if (sms < 1) return gemv_fail_("gemv_int4: could not read the SM count of the current device");
+  const int grid = a.n < sms * BPS ? a.n : sms * BPS;  // every block owns >= 1 row
+  const int smem = ps_smem_bytes(a.k, THREADS / 32, OP == OP_SILU ? 2 : 1);
+  return nanoqwen::launch_pdl(kern, dim3(grid), dim3(THREADS), smem, stream, a);
+}
+
+template <int THREADS, int LD, int ACC, int BPS>
+cudaError_t launch_ps(int op, const Args& a, cudaStream_t stream) {
+  const bool norm = a.hidden != nullptr;
+  if (ps_smem_bytes(a.k, THREADS / 32, 2) > kMaxSmemBytes) {
+    // x does not fit in shared memory (k > ~48000: no Qwen2.5 shape)
+    if (norm)
+      return gemv_fail_("gemv_int4 (fused norm): k=%d needs %d bytes of shared memory, limit %d", a.k,
+                        ps_smem_bytes(a.k, THREADS / 32, 2), kMaxSmemBytes);
+    return launch_int4<1, 2, ACC_H16W, false>(op, a, stream);
+  }
+  switch (op) {
+    case OP_STORE:
+      return norm ? launch_ps_op<THREADS, LD, ACC, OP_STORE, true, BPS>(a, stream)
+                  : launch_ps_op<THREADS, LD, ACC, OP_STORE, false, BPS>(a, stream);
+    case OP_RESID:
+      if (norm) return gemv_fail_("gemv_int4: the fused norm exists for store and silu_mul only");
+      return launch_ps_op<THREADS, LD, ACC, OP_RESID, false, BPS>(a, stream);
+    case OP_SILU:
+      return norm ? launch_ps_op<THREADS, LD, ACC, OP_SILU, true, BPS>(a, stream)
+                  : launch_ps_op<THREADS, LD, ACC, OP_SILU, false, BPS>(a, stream);
+    default: return gemv_fail_("gemv_int4: op=%d is not 0 (store), 1 (residual) or 2 (silu_mul)", op);
+  }
+}
+
 struct Int4Variant {
   const char* name;
   cudaError_t (*launch)(int, const Args&, cudaStream_t);
 };
 
 // launcher_variant() below picks which of these the engine's launchers use.
-const Int4Variant kInt4Variants[] = {
+constexpr Int4Variant kInt4Variants[] = {
     // v2 launcher (run 2, d0d40e9), the control: x in shared memory, warp per row, fp16 products
     {"smem_R1_U2_h16word", launch_int4<1, 2, ACC_H16W, true>},
     {"smem_R2_U2_h16word", launch_int4<2, 2, ACC_H16W, true>},
@@ -550,15 +917,43 @@ const Int4Variant kInt4Variants[] = {
     {"tc_corr_R2_K8_D2", launch_tc<2, 8, 2, DQ_CORR>},
     {"tc_exact_R1_K8_D4", launch_tc<1, 8, 4, DQ_EXACT>},
     {"tc_exact_R1_K4_D4", launch_tc<1, 4, 4, DQ_EXACT>},
+    // v4: persistent streaming kernel; ps_T<threads per block>_L<16-byte loads in flight per
+    // lane>_<accumulation>[_B<blocks per SM>] (one block per SM unless _B)
+    {"ps_T256_L8_h16", launch_ps<256, 8, ACC_H16W, 1>},
+    {"ps_T256_L12_h16", launch_ps<256, 12, ACC_H16W, 1>},
+    {"ps_T256_L16_h16", launch_ps<256, 16, ACC_H16W, 1>},
+    {"ps_T256_L8_f32", launch_ps<256, 8, ACC_F32, 1>},
+    {"ps_T256_L12_f32", launch_ps<256, 12, ACC_F32, 1>},
+    // 512 threads at <= 64 registers (half an SM): spills 40-300 bytes (ptxas), kept as a data point
+    {"ps_T512_L4_h16", launch_ps<512, 4, ACC_H16W, 1>},
+    {"ps_T256_L8_h16_B2", launch_ps<256, 8, ACC_H16W, 2>},
 };
 constexpr int kNumInt4Variants = sizeof(kInt4Variants) / sizeof(kInt4Variants[0]);
 
-// The variant each launcher uses (index into kInt4Variants), per op and, for the residual GEMVs,
-// per k (o_proj k = 3584 vs down_proj k = 18944): chosen from the measurements in GEMV_NOTES.md.
-constexpr int kStoreVariant = 0;       // qkv
-constexpr int kResidSmallKVariant = 0; // o_proj (k <= 8192)
-constexpr int kResidLargeKVariant = 0; // down_proj
-constexpr int kSiluVariant = 0;        // gate/up
+constexpr bool same_name(const char* a, const char* b) {
+  while (*a && *a == *b) ++a, ++b;
+  return *a == *b;
+}
+constexpr int variant_index(const char* name) {
+  for (int i = 0; i < kNumInt4Variants; ++i)
+    if (same_name(kInt4Variants[i].name, name)) return i;
+  return -1;
+}
+constexpr bool is_ps(int v) {
+  const char* n = kInt4Variants[v].name;
+  return n[0] == 'p' && n[1] == 's' && n[2] == '_';
+}
+
+// The variant each launcher uses, per op and, for the residual GEMVs, per k (o_proj k = 3584 vs
+// down_proj k = 18944): chosen from the measurements in GEMV_NOTES.md. The fused-norm launchers
+// use the store / silu choices, which must be ps_* variants (the only ones with the norm).
+constexpr int kStoreVariant = variant_index("ps_T256_L12_h16");        // qkv
+constexpr int kResidSmallKVariant = variant_index("ps_T256_L12_h16");  // o_proj (k <= 8192)
+constexpr int kResidLargeKVariant = variant_index("ps_T256_L12_h16");  // down_proj
+constexpr int kSiluVariant = variant_index("ps_T256_L12_h16");         // gate/up
+static_assert(kStoreVariant >= 0 && kResidSmallKVariant >= 0 && kResidLargeKVariant >= 0 &&
+                  kSiluVariant >= 0, "launcher variant name not in kInt4Variants");
+static_assert(is_ps(kStoreVariant) && is_ps(kSiluVariant), "the fused-norm launchers need ps_*");
 int launcher_variant(int op, int k) {
   if (op == OP_STORE) return kStoreVariant;
   if (op == OP_RESID) return k <= 8192 ? kResidSmallKVariant : kResidLargeKVariant;
@@ -578,6 +973,17 @@ cudaError_t check_int4(const char* fn, const void* out, const half* x, const uin
   if (misaligned16(x) || misaligned16(qw))
     return gemv_fail_("%s: x=%p and qweight=%p must be 16-byte aligned", fn, (const void*)x,
                       (const void*)qw);
+  return cudaSuccess;
+}
+
+cudaError_t check_norm(const char* fn, const float* hidden, const half* norm_w, float eps) {
+  if (!hidden || !norm_w)
+    return gemv_fail_("%s: null pointer (hidden=%p norm_w=%p)", fn, (const void*)hidden,
+                      (const void*)norm_w);
+  if (misaligned16(hidden) || misaligned16(norm_w))
+    return gemv_fail_("%s: hidden=%p and norm_w=%p must be 16-byte aligned", fn,
+                      (const void*)hidden, (const void*)norm_w);
+  if (!(eps > 0.f)) return gemv_fail_("%s: eps=%g must be > 0", fn, (double)eps);
   return cudaSuccess;
 }
 
@@ -608,6 +1014,39 @@ cudaError_t gemv_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate
                       "must be non-null", (const void*)qw_up, (const void*)sc_up);
   return kInt4Variants[launcher_variant(OP_SILU, k)].launch(OP_SILU, Args{out, x, qw_gate, sc_gate, qw_up, sc_up, nullptr, n, k},
                                  stream);
+}
+
+cudaError_t gemv_int4_norm(half* y, const float* hidden, const half* norm_w, float eps,
+                           const uint32_t* qweight, const half* scales, const half* bias, int n,
+                           int k, cudaStream_t stream) {
+  // x is not an input here; pass hidden in its place for the pointer/alignment check
+  if (cudaError_t e = check_int4("gemv_int4_norm", y, reinterpret_cast<const half*>(hidden), qweight,
+                                 scales, n, k))
+    return e;
+  if (cudaError_t e = check_norm("gemv_int4_norm", hidden, norm_w, eps)) return e;
+  Args a{y, nullptr, qweight, scales, nullptr, nullptr, bias, n, k};
+  a.hidden = hidden;
+  a.norm_w = norm_w;
+  a.eps = eps;
+  return kInt4Variants[kStoreVariant].launch(OP_STORE, a, stream);
+}
+
+cudaError_t gemv_int4_silu_mul_norm(half* out, const float* hidden, const half* norm_w, float eps,
+                                    const uint32_t* qw_gate, const half* sc_gate,
+                                    const uint32_t* qw_up, const half* sc_up, int n, int k,
+                                    cudaStream_t stream) {
+  const char* fn = "gemv_int4_silu_mul_norm";
+  if (cudaError_t e = check_int4(fn, out, reinterpret_cast<const half*>(hidden), qw_gate, sc_gate, n, k))
+    return e;
+  if (cudaError_t e = check_norm(fn, hidden, norm_w, eps)) return e;
+  if (!qw_up || !sc_up || misaligned16(qw_up))
+    return gemv_fail_("%s: up matrix qweight=%p (16-byte aligned) and scales=%p must be non-null",
+                      fn, (const void*)qw_up, (const void*)sc_up);
+  Args a{out, nullptr, qw_gate, sc_gate, qw_up, sc_up, nullptr, n, k};
+  a.hidden = hidden;
+  a.norm_w = norm_w;
+  a.eps = eps;
+  return kInt4Variants[kSiluVariant].launch(OP_SILU, a, stream);
 }
 
 cudaError_t dequant_int4(half* w, const uint32_t* qweight, const half* scales, int n, int k,
@@ -647,6 +1086,30 @@ cudaError_t gemv_int4_bench(int variant, int op, void* out, const half* x, const
   return kInt4Variants[variant].launch(op, Args{out, x, qw, sc, qw2, sc2, bias, n, k}, stream);
 }
 
+cudaError_t gemv_int4_norm_bench(int variant, int op, void* out, const float* hidden,
+                                 const half* norm_w, float eps, const uint32_t* qw, const half* sc,
+                                 const uint32_t* qw2, const half* sc2, const half* bias, int n,
+                                 int k, cudaStream_t stream) {
+  if (variant < 0 || variant >= kNumInt4Variants)
+    return gemv_fail_("gemv_int4_norm_bench: variant=%d not in [0, %d)", variant, kNumInt4Variants);
+  if (cudaError_t e = check_int4("gemv_int4_norm_bench", out, reinterpret_cast<const half*>(hidden),
+                                 qw, sc, n, k))
+    return e;
+  if (cudaError_t e = check_norm("gemv_int4_norm_bench", hidden, norm_w, eps)) return e;
+  if (op == OP_SILU && (!qw2 || !sc2 || misaligned16(qw2)))
+    return gemv_fail_("gemv_int4_norm_bench: op=2 needs the up matrix (qw2=%p sc2=%p)",
+                      (const void*)qw2, (const void*)sc2);
+  Args a{out, nullptr, qw, sc, qw2, sc2, bias, n, k};
+  a.hidden = hidden;
+  a.norm_w = norm_w;
+  a.eps = eps;
+  return kInt4Variants[variant].launch(op, a, stream);
+}
+
+int gemv_int4_variant_supports_norm(int variant) {
+  return variant >= 0 && variant < kNumInt4Variants && is_ps(variant);
+}
+
 static thread_local char g_gemv_msg[512];
 
 const char* gemv_last_error_message(void) { return g_gemv_msg; }
@@ -661,13 +1124,3 @@ cudaError_t gemv_fail_(const char* fmt, ...) {
 
 }  // extern "C"
 
-// TEMPORARY (development only, replaced before anything lands): entry point declared in gemv.h
-extern "C" cudaError_t gemv_int4_norm(half*, const float*, const half*, float, const uint32_t*,
-                                      const half*, const half*, int, int, cudaStream_t) {
-  return gemv_fail_("gemv_int4_norm: not implemented yet");
-}
-extern "C" cudaError_t gemv_int4_silu_mul_norm(half*, const float*, const half*, float,
-                                               const uint32_t*, const half*, const uint32_t*,
-                                               const half*, int, int, cudaStream_t) {
-  return gemv_fail_("gemv_int4_silu_mul_norm: not implemented yet");
-}
