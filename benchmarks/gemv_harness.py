@@ -99,7 +99,7 @@ def build() -> Path:
 class Lib:
     def __init__(self, path: Path):
         L = ctypes.CDLL(str(path))
-        P, I = ctypes.c_void_p, ctypes.c_int
+        P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         sig = {
             "gemv_int4": [P, P, P, P, P, I, I, P],
             "gemv_int4_residual": [P, P, P, P, I, I, P],
@@ -108,12 +108,19 @@ class Lib:
             "dequant_int4": [P, P, P, I, I, P],
             "gemv_int4_bench": [I, I, P, P, P, P, P, P, P, I, I, P],
             "gemv_fp16_bench": [I, P, P, P, I, I, P],
+            "gemv_int4_norm": [P, P, P, F, P, P, P, I, I, P],
+            "gemv_int4_silu_mul_norm": [P, P, P, F, P, P, P, P, I, I, P],
+            "gemv_fp16_norm": [P, P, P, F, P, I, I, P],
+            "gemv_int4_norm_bench": [I, I, P, P, P, F, P, P, P, P, P, I, I, P],
+            "gemv_fp16_norm_bench": [I, P, P, P, F, P, I, I, P],
         }
         for name, args in sig.items():
             f = getattr(L, name)
             f.argtypes, f.restype = args, ctypes.c_int
         for name in ("gemv_int4_variant_count", "gemv_fp16_variant_count"):
             getattr(L, name).restype = ctypes.c_int
+        L.gemv_int4_variant_supports_norm.restype = ctypes.c_int
+        L.gemv_int4_variant_supports_norm.argtypes = [ctypes.c_int]
         for name in ("gemv_int4_variant_name", "gemv_fp16_variant_name"):
             getattr(L, name).restype = ctypes.c_char_p
             getattr(L, name).argtypes = [ctypes.c_int]
@@ -121,6 +128,7 @@ class Lib:
         self.L = L
         self.int4_variants = [L.gemv_int4_variant_name(i).decode() for i in range(L.gemv_int4_variant_count())]
         self.fp16_variants = [L.gemv_fp16_variant_name(i).decode() for i in range(L.gemv_fp16_variant_count())]
+        self.int4_norm_variants = [i for i in range(len(self.int4_variants)) if L.gemv_int4_variant_supports_norm(i)]
 
     def call(self, name, *args):
         rc = getattr(self.L, name)(*args)
@@ -248,11 +256,91 @@ def check(lib: Lib, quant) -> list[str]:
         lib.call("gemv_fp16", ptr(out), ptr(x), ptr(w), n, k, stream())
         expect(f"gemv_fp16 launcher {n}x{k}", rel_err(out, ref), TOL_FP16)
 
+    log("== correctness: fused RMSNorm launchers and every norm-capable variant ==")
+    # x = half(norm_w * (hidden * r)), r = rsqrt(mean(hidden^2) + eps): the rmsnorm kernel's
+    # rounding (r in fp64 here, rsqrtf + another reduction order there: x may differ in the last
+    # bit of a few elements, far below the tolerance). Outputs against fp64 dot products of that x.
+    eps = 1e-6
+
+    def norm_x(hidden, nw):
+        r = torch.rsqrt(hidden.double().pow(2).mean() + eps).float()
+        return (nw.float() * (hidden * r)).half()
+
+    def norm_case(n, k, big=False):
+        hidden = torch.randn(k, generator=gen) * 4
+        hidden[torch.randperm(k, generator=gen)[:3]] = torch.tensor([90.0, -70.0, 55.0])
+        nw = (torch.rand(k, generator=gen) * 2 + 0.2) * (1000.0 if big else 1.0)  # big: |x| ~ 3000
+        return hidden.cuda(), nw.half().cuda()
+
+    ncases = [(1, 128), (7, 384), (33, 3584), (4609, 3584), (643, 18944), (29, 27648), (4608, 3584)]
+    for n, k in ncases:
+        qw, sc, w = rand_int4(quant, n, k, gen)
+        qu, su, wu = rand_int4(quant, n, k, gen)
+        for big in (False, True):
+            hidden, nw = norm_case(n, k, big)
+            x = norm_x(hidden, nw)
+            tag = f"{n}x{k}{' |x|~3000' if big else ''}"
+            ref = w.double() @ x.double()
+            refu = wu.double() @ x.double()
+            bias = (torch.randn(n, generator=gen) * 0.5).half().cuda()
+            for b in (None, bias):
+                y = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
+                lib.call("gemv_int4_norm", ptr(y), ptr(hidden), ptr(nw), eps, ptr(qw), ptr(sc), ptr(b), n, k, stream())
+                r = ref + (b.double() if b is not None else 0)
+                if torch.isfinite(r.half()).all():
+                    expect(f"gemv_int4_norm {tag} {'+bias' if b is not None else 'nobias'}", rel_err(y, r), TOL_HALF)
+                y2 = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
+                lib.call("gemv_int4_norm", ptr(y2), ptr(hidden), ptr(nw), eps, ptr(qw), ptr(sc), ptr(b), n, k, stream())
+                same = torch.equal(y.view(torch.int16), y2.view(torch.int16))
+                log(f"  {'ok  ' if same else 'FAIL'} gemv_int4_norm {tag} deterministic={same}")
+                if not same:
+                    fails.append(f"gemv_int4_norm {tag} not deterministic")
+            o = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
+            lib.call("gemv_int4_silu_mul_norm", ptr(o), ptr(hidden), ptr(nw), eps, ptr(qw), ptr(sc), ptr(qu), ptr(su), n, k, stream())
+            ref_s = torch.nn.functional.silu(ref) * refu
+            if torch.isfinite(ref_s.half()).all():  # |x|~3000 can push silu*up past fp16 legitimately
+                expect(f"gemv_int4_silu_mul_norm {tag}", rel_err(o, ref_s), TOL_HALF)
+            if (n, k) in ((33, 3584), (643, 18944), (29, 27648)) or (big and n == 4608):
+                for v in lib.int4_norm_variants:
+                    vname = lib.int4_variants[v]
+                    y = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
+                    lib.call("gemv_int4_norm_bench", v, OP_STORE, ptr(y), ptr(hidden), ptr(nw), eps, ptr(qw), ptr(sc), None, None, ptr(bias), n, k, stream())
+                    expect(f"norm store {vname} {tag}", rel_err(y, ref + bias.double()), TOL_HALF)
+                    if torch.isfinite(ref_s.half()).all():
+                        o = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
+                        lib.call("gemv_int4_norm_bench", v, OP_SILU, ptr(o), ptr(hidden), ptr(nw), eps, ptr(qw), ptr(sc), ptr(qu), ptr(su), None, n, k, stream())
+                        expect(f"norm silu {vname} {tag}", rel_err(o, ref_s), TOL_HALF)
+    # large-magnitude x through the non-fused ops too (o_proj / down inputs), every variant that
+    # has no |x| limit (ps_*): |x| up to 3000
+    for n, k in [(643, 3584), (37, 18944)]:
+        qw, sc, w = rand_int4(quant, n, k, gen)
+        x = (torch.randn(k, generator=gen) * 1000).clamp(-3000, 3000).half().cuda()
+        ref = w.double() @ x.double()
+        for v in lib.int4_norm_variants:
+            h = torch.zeros(n, device="cuda")
+            lib.call("gemv_int4_bench", v, OP_RESID, ptr(h), ptr(x), ptr(qw), ptr(sc), None, None, None, n, k, stream())
+            expect(f"resid {lib.int4_variants[v]} {n}x{k} |x|~3000", rel_err(h, ref), TOL_F32_INT4)
+    for n, k in [(1, 8), (1003, 3584), (77, 27648), (152064, 3584)]:
+        w = (torch.randn(n, k, device="cuda") * 0.02).half()
+        hidden, nw = norm_case(n, k)
+        x = norm_x(hidden, nw)
+        ref = w.double() @ x.double()
+        for v, vname in enumerate(lib.fp16_variants):
+            out = torch.full((n,), float("nan"), device="cuda")
+            lib.call("gemv_fp16_norm_bench", v, ptr(out), ptr(hidden), ptr(nw), eps, ptr(w), n, k, stream())
+            # x may differ from norm_x in the last bit of a few elements (see above): 1e-4, not 1e-5
+            expect(f"gemv_fp16_norm {vname} {n}x{k}", rel_err(out, ref), 1e-4)
+        out = torch.full((n,), float("nan"), device="cuda")
+        lib.call("gemv_fp16_norm", ptr(out), ptr(hidden), ptr(nw), eps, ptr(w), n, k, stream())
+        expect(f"gemv_fp16_norm launcher {n}x{k}", rel_err(out, ref), 1e-4)
+    torch.cuda.synchronize()
+
     log("== bad arguments must fail with the numbers ==")
     x = torch.randn(4096, device="cuda").half()
     qw, sc, _ = rand_int4(quant, 8, 256, gen)
     y = torch.empty(8, dtype=torch.float16, device="cuda")
     f32 = torch.empty(8, device="cuda")
+    f32h = torch.randn(4096, device="cuda")
     bad = [
         ("k=100", lambda: lib.L.gemv_int4(ptr(y), ptr(x), ptr(qw), ptr(sc), None, 8, 100, stream()), "k=100"),
         ("n=0", lambda: lib.L.gemv_int4_residual(ptr(f32), ptr(x), ptr(qw), ptr(sc), 0, 256, stream()), "n=0"),
@@ -260,6 +348,10 @@ def check(lib: Lib, quant) -> list[str]:
         ("null up", lambda: lib.L.gemv_int4_silu_mul(ptr(y), ptr(x), ptr(qw), ptr(sc), None, ptr(sc), 8, 256, stream()), "up matrix"),
         ("fp16 k=12", lambda: lib.L.gemv_fp16(ptr(f32), ptr(x), ptr(x), 1, 12, stream()), "k=12"),
         ("dequant k=200", lambda: lib.L.dequant_int4(ptr(y), ptr(qw), ptr(sc), 1, 200, stream()), "k=200"),
+        ("norm k=200", lambda: lib.L.gemv_int4_norm(ptr(y), ptr(f32h), ptr(x), 1e-6, ptr(qw), ptr(sc), None, 8, 200, stream()), "k=200"),
+        ("norm eps=0", lambda: lib.L.gemv_int4_norm(ptr(y), ptr(f32h), ptr(x), 0.0, ptr(qw), ptr(sc), None, 8, 256, stream()), "eps=0"),
+        ("silu norm null hidden", lambda: lib.L.gemv_int4_silu_mul_norm(ptr(y), None, ptr(x), 1e-6, ptr(qw), ptr(sc), ptr(qw), ptr(sc), 8, 256, stream()), "null"),
+        ("fp16 norm misaligned norm_w", lambda: lib.L.gemv_fp16_norm(ptr(f32), ptr(f32h), ptr(x) + 2, 1e-6, ptr(x), 1, 256, stream()), "aligned"),
     ]
     for name, fn, needle in bad:
         rc = fn()
@@ -414,8 +506,85 @@ def bench(lib: Lib, results: dict):
         else:
             del qws, scs
         torch.cuda.empty_cache()
+    # fused-norm launchers and variants (qkv, gate/up, lm_head): x comes from hidden in the prologue
+    eps = 1e-6
+    for name, kind, op, n, k in shapes_7b():
+        if op == OP_RESID:
+            continue
+        nbytes = bytes_moved(kind, op, n, k) - k * 2 + k * 6  # hidden fp32 + norm_w instead of x
+        ncopies = max(2, math.ceil(4 * L2_BYTES / nbytes))
+        launches = max(ncopies, 48 if nbytes < 100e6 else 8)
+        hidden = torch.randn(k, device="cuda")
+        nw = (torch.rand(k, device="cuda") + 0.5).half()
+        fname = name.split()[0] + "+norm"
+        if kind == "fp16":
+            ws = [(torch.randn(n, k, device="cuda") * 0.02).half() for _ in range(ncopies)]
+            out = torch.empty(n, device="cuda")
+            cands = [("LAUNCHER", lambda i: lib.L.gemv_fp16_norm(ptr(out), ptr(hidden), ptr(nw), eps, ptr(ws[i]), n, k, stream()))]
+        else:
+            nm = 2 if op == OP_SILU else 1
+            qws = [torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda") for _ in range(ncopies * nm)]
+            scs = [(torch.rand(n, k // 128, device="cuda") * 0.02).half() for _ in range(ncopies * nm)]
+            bias = torch.randn(n, device="cuda").half() if op == OP_STORE else None
+            out = torch.zeros(n, device="cuda", dtype=torch.float16)
+
+            def mkn(v):
+                def f(i):
+                    j = i * nm
+                    q2 = ptr(qws[j + 1]) if nm == 2 else None
+                    s2 = ptr(scs[j + 1]) if nm == 2 else None
+                    return lib.L.gemv_int4_norm_bench(v, op, ptr(out), ptr(hidden), ptr(nw), eps, ptr(qws[j]), ptr(scs[j]), q2, s2, ptr(bias), n, k, stream())
+                return f
+            cands = [(lib.int4_variants[v], mkn(v)) for v in lib.int4_norm_variants]
+            if op == OP_STORE:
+                cands.append(("LAUNCHER", lambda i: lib.L.gemv_int4_norm(ptr(out), ptr(hidden), ptr(nw), eps, ptr(qws[i]), ptr(scs[i]), ptr(bias), n, k, stream())))
+            else:
+                cands.append(("LAUNCHER", lambda i: lib.L.gemv_int4_silu_mul_norm(ptr(out), ptr(hidden), ptr(nw), eps, ptr(qws[2 * i]), ptr(scs[2 * i]), ptr(qws[2 * i + 1]), ptr(scs[2 * i + 1]), n, k, stream())))
+        log(f"== {fname}: {nbytes / 1e6:.2f} MB/launch, {ncopies} copies, graph of {launches} ==")
+        for vname, fn in cands:
+            med, lo, hi = time_graph(fn, ncopies, launches)
+            gbps = nbytes / (med * 1e-6) / 1e9
+            log(f"  {vname:<16} {med:8.2f} us (min {lo:.2f} max {hi:.2f})  {gbps:7.0f} GB/s  {100 * gbps / COPY_GBPS:5.1f}%")
+            rows.append(dict(shape=fname, variant=vname, us=med, us_min=lo, us_max=hi, gbps=gbps, pct=100 * gbps / COPY_GBPS))
+        del out, hidden, nw
+        if kind == "fp16":
+            del ws
+        else:
+            del qws, scs
+        torch.cuda.empty_cache()
     results["rows"] = rows
     return rows
+
+
+def layer_seq(lib: Lib, layers=8, sets=4) -> dict:
+    """The decode step's GEMV chain per layer, launchers only: qkv (norm) -> o_proj (residual) ->
+    gate/up (norm, silu) -> down (residual), `layers` layers as one CUDA graph cycling over `sets`
+    weight sets (4 x 120 MB > 4x L2). PDL on/off is fixed per process (NANOQWEN_PDL, read once)."""
+    H, I, QKV = 3584, 18944, 4608
+    eps = 1e-6
+
+    def q(n, k):
+        return (torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda"),
+                (torch.rand(n, k // 128, device="cuda") * 0.002).half())
+    W = [dict(qkv=q(QKV, H), o=q(H, H), g=q(I, H), u=q(I, H), d=q(H, I), bias=torch.randn(QKV, device="cuda").half(),
+              n1=(torch.rand(H, device="cuda") + 0.5).half(), n2=(torch.rand(H, device="cuda") + 0.5).half())
+         for _ in range(sets)]
+    hidden = torch.randn(H, device="cuda")
+    yqkv = torch.empty(QKV, dtype=torch.float16, device="cuda")
+    xo = torch.randn(H, device="cuda").half() * 0.1  # stands in for the attention output
+    act = torch.empty(I, dtype=torch.float16, device="cuda")
+
+    def one_layer(i):
+        w = W[i]
+        rc = lib.L.gemv_int4_norm(ptr(yqkv), ptr(hidden), ptr(w["n1"]), eps, ptr(w["qkv"][0]), ptr(w["qkv"][1]), ptr(w["bias"]), QKV, H, stream())
+        rc |= lib.L.gemv_int4_residual(ptr(hidden), ptr(xo), ptr(w["o"][0]), ptr(w["o"][1]), H, H, stream())
+        rc |= lib.L.gemv_int4_silu_mul_norm(ptr(act), ptr(hidden), ptr(w["n2"]), eps, ptr(w["g"][0]), ptr(w["g"][1]), ptr(w["u"][0]), ptr(w["u"][1]), I, H, stream())
+        rc |= lib.L.gemv_int4_residual(ptr(hidden), ptr(act), ptr(w["d"][0]), ptr(w["d"][1]), H, I, stream())
+        if rc:
+            raise RuntimeError(f"layer_seq launch failed: {lib.msg()}")
+    med, lo, hi = time_graph(one_layer, sets, layers)
+    return dict(pdl=os.environ.get("NANOQWEN_PDL", "1") != "0", us_per_layer=med, us_min=lo, us_max=hi,
+                finite=bool(torch.isfinite(hidden).all()))
 
 
 def main():
@@ -424,6 +593,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the log and json")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--bench-only", action="store_true")
+    ap.add_argument("--layer-seq-only", action="store_true",
+                    help="print the per-layer GEMV chain timing as one JSON line (this process's PDL setting)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -431,6 +602,9 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("gemv_harness: no CUDA device")
     lib = Lib(build())
+    if args.layer_seq_only:
+        print("LAYER_SEQ " + json.dumps(layer_seq(lib)), flush=True)
+        return
     quant = load_quant()
     commit = os.environ.get("GEMV_COMMIT", "unknown")
     results = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
@@ -443,6 +617,19 @@ def main():
     fails = [] if args.bench_only else check(lib, quant)
     results["fails"] = fails
     rows = [] if args.check_only else bench(lib, results)
+    if not args.check_only:
+        # the per-layer chain with PDL on (this process, unless NANOQWEN_PDL=0 was set) and off (a
+        # child process: the switch is read once per process)
+        seq = [layer_seq(lib)]
+        env = dict(os.environ, NANOQWEN_PDL="0" if seq[0]["pdl"] else "1")
+        p = subprocess.run([sys.executable, __file__, "--layer-seq-only", "--out", str(out / "child")],
+                           env=env, capture_output=True, text=True)
+        for ln in p.stdout.splitlines():
+            if ln.startswith("LAYER_SEQ "):
+                seq.append(json.loads(ln[len("LAYER_SEQ "):]))
+        if len(seq) < 2:
+            log(f"layer_seq child failed: {p.stdout[-2000:]} {p.stderr[-2000:]}")
+        results["layer_seq"] = seq
     (out / "gemv_results.json").write_text(json.dumps(results, indent=1))
     log("")
     log(f"== summary ({results['device']}, {results['date']}, commit {commit}) ==")
@@ -462,8 +649,11 @@ def main():
         log(f"{'shape':<22} {'launcher us':>11} {'GB/s':>6} {'%4276':>6} | best variant")
         for r in rows:
             if r["variant"] == "LAUNCHER":
-                b = best[r["shape"]]
+                b = best.get(r["shape"], r)
                 log(f"{r['shape']:<22} {r['us']:11.2f} {r['gbps']:6.0f} {r['pct']:5.1f}% | {b['variant']} {b['us']:.2f} us {b['pct']:.1f}%")
+        for sq in results.get("layer_seq", []):
+            log(f"layer chain qkv_norm->o->gate/up_norm->down, PDL {'on ' if sq['pdl'] else 'off'}: "
+                f"{sq['us_per_layer']:.2f} us/layer (min {sq['us_min']:.2f}; floor 28.2 us; finite={sq['finite']})")
     sys.exit(1 if fails else 0)
 
 
