@@ -288,7 +288,7 @@ __device__ __forceinline__ void half8_to_float(float (&f)[8], uint4 u) {
   }
 }
 
-template <int HD>
+template <int HD, int G>
 __global__ void __launch_bounds__(kDecThreads)
 attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __restrict__ ws_ml,
                    int32_t* __restrict__ counters, const half* __restrict__ qkv,
@@ -303,22 +303,21 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
   static_assert(TPT >= 1 && TPT * kDecWarps * RPW == kPageSize, "page / warp layout");
   constexpr int kPageHalves = kPageSize * HD;      // one page of K (or V) of one kv head
   constexpr int kRingBytes = kDecStages * 2 * kPageHalves * 2;
-  constexpr int kMergeBytes = kDecWarps * kMaxGqa * HD * 4;
+  constexpr int kMergeBytes = kDecWarps * G * HD * 4;
   static_assert(kMergeBytes <= kRingBytes, "warp-merge buffer aliases the ring");
   constexpr int kChunks = 2 * kPageSize * LPR;     // 16-byte copies per page (K and V)
   static_assert(kChunks % kDecThreads == 0, "copies per thread");
 
   __shared__ __align__(16) unsigned char s_raw[kRingBytes];
-  __shared__ float s_q[kMaxGqa][HD];
+  __shared__ float s_q[G][HD];
   __shared__ __align__(16) half s_knew[HD];
   __shared__ __align__(16) half s_vnew[HD];
-  __shared__ float s_wm[kDecWarps][kMaxGqa], s_wl[kDecWarps][kMaxGqa];
+  __shared__ float s_wm[kDecWarps][G], s_wl[kDecWarps][G];
   __shared__ int s_last;
   half* ring = reinterpret_cast<half*>(s_raw);     // [stage][K|V][16][HD]
   float* s_wacc = reinterpret_cast<float*>(s_raw); // [warp][g][HD], after the ring is drained
 
   const int kvh = blockIdx.x, split = blockIdx.y;
-  const int G = n_heads / n_kv;
   const int head0 = kvh * G;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   constexpr int half_d = HD / 2;
@@ -359,7 +358,7 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
     cp_async_commit();  // always: keeps the group count uniform for wait_group below
   }
   // this thread's RoPE pairs of q: i = tid + k*128 over G * HD/2 pairs (at most 4 for 8 x 64)
-  constexpr int kQPairs = (kMaxGqa * half_d + kDecThreads - 1) / kDecThreads;
+  constexpr int kQPairs = (G * half_d + kDecThreads - 1) / kDecThreads;
   float cq[kQPairs], sq[kQPairs];
 #pragma unroll
   for (int k = 0; k < kQPairs; ++k) {
@@ -408,14 +407,14 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
   __syncthreads();  // s_q, s_knew, s_vnew
 
   const int grp = lane / LPR, col = (lane % LPR) * 8;
-  float qr[kMaxGqa][8];
+  float qr[G][8];
 #pragma unroll
-  for (int g = 0; g < kMaxGqa; ++g)
+  for (int g = 0; g < G; ++g)
 #pragma unroll
-    for (int e = 0; e < 8; ++e) qr[g][e] = g < G ? s_q[g][col + e] : 0.f;
-  float m[kMaxGqa], l[kMaxGqa], acc[kMaxGqa][8];
+    for (int e = 0; e < 8; ++e) qr[g][e] = s_q[g][col + e];
+  float m[G], l[G], acc[G][8];
 #pragma unroll
-  for (int g = 0; g < kMaxGqa; ++g) {
+  for (int g = 0; g < G; ++g) {
     m[g] = kNegBig;
     l[g] = 0.f;
 #pragma unroll
@@ -446,8 +445,8 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
       for (int e = 0; e < 8; ++e) vf[j][e] = valid[j] ? vf[j][e] : 0.f;  // 0 * inf would be NaN
     }
 #pragma unroll
-    for (int g = 0; g < kMaxGqa; ++g) {
-      if (g < G) {  // uniform over the block: the shuffles below see whole warps
+    for (int g = 0; g < G; ++g) {  // G is a template parameter: heads interleave freely
+      {
         float sc[TPT];
         float mn = m[g];
 #pragma unroll
@@ -483,8 +482,8 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
 #pragma unroll
   for (int o = LPR; o < 32; o <<= 1) {
 #pragma unroll
-    for (int g = 0; g < kMaxGqa; ++g) {
-      if (g < G) {
+    for (int g = 0; g < G; ++g) {
+      {
         const float mo = __shfl_xor_sync(0xffffffffu, m[g], o);
         const float lo = __shfl_xor_sync(0xffffffffu, l[g], o);
         const float M = fmaxf(m[g], mo);
@@ -503,10 +502,10 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
   __syncthreads();     // every warp is done reading the ring
   if (lane < LPR) {
 #pragma unroll
-    for (int g = 0; g < kMaxGqa; ++g) {
-      if (g < G) {
+    for (int g = 0; g < G; ++g) {
+      {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) s_wacc[(warp * kMaxGqa + g) * HD + col + e] = acc[g][e];
+        for (int e = 0; e < 8; ++e) s_wacc[(warp * G + g) * HD + col + e] = acc[g][e];
         if (lane == 0) {
           s_wm[warp][g] = m[g];
           s_wl[warp][g] = l[g];
@@ -524,7 +523,7 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
 #pragma unroll
     for (int w = 0; w < kDecWarps; ++w) {
       const float f = exp2f(s_wm[w][g] - M);  // 0 for a warp that saw only masked tokens
-      o = fmaf(s_wacc[(w * kMaxGqa + g) * HD + d], f, o);
+      o = fmaf(s_wacc[(w * G + g) * HD + d], f, o);
       L = fmaf(s_wl[w][g], f, L);
     }
     const size_t sl = (size_t)(head0 + g) * num_splits + split;
@@ -542,20 +541,69 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
   __syncthreads();
   if (!s_last) return;  // block-uniform
   __threadfence();      // acquire side: other blocks' ws writes are read after the count
-  for (int i = tid; i < G * HD; i += kDecThreads) {
-    const int g = i / HD, d = i % HD;
-    const float* ml = ws_ml + (size_t)(head0 + g) * num_splits * 2;
-    const float* ac = ws_acc + (size_t)(head0 + g) * num_splits * HD + d;
-    float M = -CUDART_INF_F;
-    for (int s = 0; s < n_active; ++s) M = fmaxf(M, __ldcg(ml + 2 * s));
-    float L = 0.f, o = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < n_active; ++s) {  // split order: deterministic
-      const float f = exp2f(__ldcg(ml + 2 * s) - M);
-      L = fmaf(__ldcg(ml + 2 * s + 1), f, L);
-      o = fmaf(__ldcg(ac + (size_t)s * HD), f, o);
+  // Thread t owns 4 dims (float4) of heads g = t / TPH + k * HPB. Splits come in chunks whose
+  // (m, l) are staged in shared memory by one parallel load (a serial loop over L2 loads was
+  // ~0.4 us per split); the acc loads of 16 splits are in flight at once. Per element this is
+  // attn_combine's formula in split order (chunks > 1 only past kMergeChunk splits, then the
+  // running sum is rescaled once per chunk).
+  constexpr int TPH = HD / 4, HPB = kDecThreads / TPH, HPT = (G + HPB - 1) / HPB;
+  constexpr int kMergeChunk = kRingBytes / (8 * G);
+  float* s_mm = reinterpret_cast<float*>(s_raw);  // [G][kMergeChunk] maxima, then sums
+  float* s_ll = s_mm + G * kMergeChunk;
+  const int d4 = (tid % TPH) * 4, gq = tid / TPH;
+  float M[HPT], L[HPT];
+  float4 o[HPT];
+#pragma unroll
+  for (int k = 0; k < HPT; ++k) {
+    M[k] = kNegBig;
+    L[k] = 0.f;
+    o[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  for (int c0 = 0; c0 < n_active; c0 += kMergeChunk) {
+    const int cn = min(kMergeChunk, n_active - c0);
+    __syncthreads();  // the ring / the previous chunk's (m, l) are no longer read
+    for (int i = tid; i < G * cn; i += kDecThreads) {
+      const int g = i / cn, sp = i % cn;
+      const float2 ml = __ldcg(reinterpret_cast<const float2*>(
+          ws_ml + ((size_t)(head0 + g) * num_splits + c0 + sp) * 2));
+      s_mm[g * kMergeChunk + sp] = ml.x;
+      s_ll[g * kMergeChunk + sp] = ml.y;
     }
-    out[(size_t)(head0 + g) * HD + d] = __float2half_rn(o / L);
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < HPT; ++k) {
+      const int g = gq + k * HPB;
+      if (g < G) {  // warp-uniform (a warp covers whole heads); no barrier or shuffle inside
+        float mc = M[k];
+#pragma unroll 8
+        for (int sp = 0; sp < cn; ++sp) mc = fmaxf(mc, s_mm[g * kMergeChunk + sp]);
+        const float f0 = exp2f(M[k] - mc);  // 0 on the first chunk (o, L are 0 there)
+        L[k] *= f0;
+        o[k].x *= f0; o[k].y *= f0; o[k].z *= f0; o[k].w *= f0;
+        M[k] = mc;
+        const float4* ac = reinterpret_cast<const float4*>(
+            ws_acc + ((size_t)(head0 + g) * num_splits + c0) * HD + d4);
+#pragma unroll 16
+        for (int sp = 0; sp < cn; ++sp) {  // split order: deterministic
+          const float f = exp2f(s_mm[g * kMergeChunk + sp] - mc);
+          const float4 a = __ldcg(ac + (size_t)sp * (HD / 4));
+          L[k] = fmaf(s_ll[g * kMergeChunk + sp], f, L[k]);
+          o[k].x = fmaf(a.x, f, o[k].x);
+          o[k].y = fmaf(a.y, f, o[k].y);
+          o[k].z = fmaf(a.z, f, o[k].z);
+          o[k].w = fmaf(a.w, f, o[k].w);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < HPT; ++k) {
+    const int g = gq + k * HPB;
+    if (g < G) {
+      half2* dst = reinterpret_cast<half2*>(out + (size_t)(head0 + g) * HD + d4);
+      dst[0] = __floats2half2_rn(o[k].x / L[k], o[k].y / L[k]);
+      dst[1] = __floats2half2_rn(o[k].z / L[k], o[k].w / L[k]);
+    }
   }
   if (tid == 0) counters[kvh] = 0;  // every active block of this kv head has counted
 }
@@ -580,20 +628,26 @@ cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* co
   const float scale_log2 = scale * 1.4426950408889634f;
   const dim3 grid(n_kv, num_splits);
   const int min_pps = decode_min_pps();
-  switch (head_dim) {
-    case 64:
-      return launch_pdl(attn_decode_kernel<64>, grid, dim3(kDecThreads), 0, stream, out, ws_acc,
-                        ws_ml, counters, qkv, k_cache, v_cache, cos_table, sin_table,
-                        page_table, table_len, pos, n_heads, n_kv, num_splits, min_pps,
-                        scale_log2);
-    case 128:
-      return launch_pdl(attn_decode_kernel<128>, grid, dim3(kDecThreads), 0, stream, out,
-                        ws_acc, ws_ml, counters, qkv, k_cache, v_cache, cos_table, sin_table,
-                        page_table, table_len, pos, n_heads, n_kv, num_splits, min_pps,
-                        scale_log2);
-    default:
-      return cudaErrorInvalidValue;
+#define NQ_DECODE_CASE(HD, G)                                                                    \
+  case G:                                                                                      \
+    return launch_pdl(attn_decode_kernel<HD, G>, grid, dim3(kDecThreads), 0, stream, out,      \
+                      ws_acc, ws_ml, counters, qkv, k_cache, v_cache, cos_table, sin_table,    \
+                      page_table, table_len, pos, n_heads, n_kv, num_splits, min_pps,          \
+                      scale_log2);
+#define NQ_DECODE_HD(HD)                                                                         \
+  switch (n_heads / n_kv) {                                                                    \
+    NQ_DECODE_CASE(HD, 1) NQ_DECODE_CASE(HD, 2) NQ_DECODE_CASE(HD, 3) NQ_DECODE_CASE(HD, 4)   \
+    NQ_DECODE_CASE(HD, 5) NQ_DECODE_CASE(HD, 6) NQ_DECODE_CASE(HD, 7) NQ_DECODE_CASE(HD, 8)   \
+    default: return cudaErrorInvalidValue;                                                     \
   }
+  static_assert(kMaxGqa == 8, "one instantiation per GQA ratio 1..kMaxGqa");
+  switch (head_dim) {
+    case 64: NQ_DECODE_HD(64)
+    case 128: NQ_DECODE_HD(128)
+    default: return cudaErrorInvalidValue;
+  }
+#undef NQ_DECODE_HD
+#undef NQ_DECODE_CASE
 }
 
 }  // namespace nanoqwen
