@@ -58,7 +58,8 @@ cudaError_t paged_attention(half* out, float* ws_acc, float* ws_ml, const half* 
 // attention over positions 0..pos, with the splits merged inside the same launch (the last
 // split block of each kv head to finish merges them, in split order, so the result does not
 // depend on which block finishes last). counters int32 [n_kv]: zero before the first call, left
-// zero by every call. Results equal rope_kv_write + paged_attention.
+// zero by every call. Results equal rope_kv_write + paged_attention: rotated q and the cache
+// write bit for bit, the output to ~1 fp16 ulp (same fp32 math, another summation order).
 cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* counters,
                              const half* qkv, half* k_cache, half* v_cache,
                              const float* cos_table, const float* sin_table,
