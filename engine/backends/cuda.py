@@ -304,10 +304,7 @@ class CudaBackend(Backend):
         self.counter = torch.zeros(1, dtype=torch.int64, device=dev)
         self.ctx_tokens = i32(num_pages * KV_PAGE_SIZE + 1)
         self.hidden = torch.zeros(1, c.hidden_size, dtype=torch.float32, device=dev)
-        self.xn = torch.zeros(1, c.hidden_size, dtype=torch.float16, device=dev)
         self.qkv = torch.zeros(1, c.q_size + 2 * c.kv_size, dtype=torch.float16, device=dev)
-        self.q = torch.zeros(1, c.num_attention_heads, d, dtype=torch.float16, device=dev)
-        self.q2d = self.q.view(c.num_attention_heads, d)
         self.attn = torch.zeros(c.num_attention_heads, d, dtype=torch.float16, device=dev)
         self.act = torch.zeros(c.intermediate_size, dtype=torch.float16, device=dev)
         self.logits = torch.zeros(c.vocab_size, dtype=torch.float32, device=dev)
@@ -318,6 +315,8 @@ class CudaBackend(Backend):
                                   dtype=torch.float32, device=dev)
         self.ws_ml = torch.zeros(c.num_attention_heads, self.num_splits, 2,
                                  dtype=torch.float32, device=dev)
+        # attention_decode's per-kv-head "last split merges" counters; it leaves them zero
+        self.attn_counters = torch.zeros(c.num_key_value_heads, dtype=torch.int32, device=dev)
         # greedy until a generate() sets its own parameters
         self.params_f = torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float32, device=dev)
         self.params_i = torch.tensor([0, 0, 0, 0], dtype=torch.int64, device=dev)
@@ -332,18 +331,18 @@ class CudaBackend(Backend):
         eps = c.rms_norm_eps
         o.embed_gather(self.hidden, self.embed, self.token_in)
         for li, L in enumerate(self.layers):
-            k, v = self.k_layers[li], self.v_layers[li]
-            o.rmsnorm(self.xn, self.hidden, L.ln1, eps)
-            o.gemv_int4(self.qkv, self.xn, L.qkv_qw, L.qkv_sc, L.qkv_b)
-            o.rope_kv_write(self.q, k, v, self.qkv, self.cos, self.sin, self.pos, self.page_table)
-            o.paged_attention(self.attn, self.ws_acc, self.ws_ml, self.q2d, k, v,
-                              self.page_table, self.pos)
+            # five launches a layer: each norm is fused into the GEMV that reads it, RoPE, the
+            # K/V write and the split merge into attention_decode (every kernel is launched
+            # with PDL, so each one's weight fetch overlaps the previous one's tail)
+            o.gemv_int4_norm(self.qkv, self.hidden, L.ln1, eps, L.qkv_qw, L.qkv_sc, L.qkv_b)
+            o.attention_decode(self.attn, self.ws_acc, self.ws_ml, self.attn_counters, self.qkv,
+                               self.k_layers[li], self.v_layers[li], self.cos, self.sin,
+                               self.page_table, self.pos)
             o.gemv_int4_residual(self.hidden, self.attn, L.o_qw, L.o_sc)
-            o.rmsnorm(self.xn, self.hidden, L.ln2, eps)
-            o.gemv_int4_silu_mul(self.act, self.xn, L.gate_qw, L.gate_sc, L.up_qw, L.up_sc)
+            o.gemv_int4_silu_mul_norm(self.act, self.hidden, L.ln2, eps, L.gate_qw, L.gate_sc,
+                                      L.up_qw, L.up_sc)
             o.gemv_int4_residual(self.hidden, self.act, L.down_qw, L.down_sc)
-        o.rmsnorm(self.xn, self.hidden, self.norm, eps)
-        o.gemv_fp16(self.logits, self.xn, self.lm_head)
+        o.gemv_fp16_norm(self.logits, self.hidden, self.norm, eps, self.lm_head)
         self._launch_sample()
 
     def _launch_sample(self) -> None:
@@ -428,8 +427,7 @@ class CudaBackend(Backend):
                 g, u = gu.float().chunk(2, dim=-1)
                 act = (F.silu(g) * u).to(torch.float16)   # fp32 math, one rounding, as the GEMV
                 h.add_(F.linear(act, W_d))
-        o.rmsnorm(self.xn, hidden[t - 1:], self.norm, eps)
-        o.gemv_fp16(self.logits, self.xn, self.lm_head)
+        o.gemv_fp16_norm(self.logits, hidden[t - 1], self.norm, eps, self.lm_head)
         if sample:
             self.pos.fill_(pos0 + t - 1)
             self._launch_sample()
