@@ -270,14 +270,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// HF rotate_half of the pair (a, b) = (x[d], x[d + D/2]) by (c, s), fp32, explicit roundings so
-// the result cannot depend on how the compiler contracts it. Identical copy in rope_kv.cu (the
-// two must agree bit for bit: attention_decode == rope_kv_write + paged_attention).
-__device__ __forceinline__ void rope_pair(float a, float b, float c, float s, half& lo, half& hi) {
-  lo = __float2half_rn(__fmaf_rn(a, c, -__fmul_rn(b, s)));
-  hi = __float2half_rn(__fmaf_rn(b, c, __fmul_rn(a, s)));
-}
-
 __device__ __forceinline__ void half8_to_float(float (&f)[8], uint4 u) {
   const half2* h = reinterpret_cast<const half2*>(&u);
 #pragma unroll

@@ -81,6 +81,14 @@ __device__ __forceinline__ uint4 ld_weights(const uint4* p) {
   return v;
 }
 
+// HF rotate_half of the pair (a, b) = (x[d], x[d + D/2]) by (c, s) in fp32, with explicit
+// roundings so the result cannot depend on how the compiler contracts it. rope_kv_write
+// (prefill) and attention_decode (decode) both use it, so they rotate q and k bit for bit alike.
+__device__ __forceinline__ void rope_pair(float a, float b, float c, float s, half& lo, half& hi) {
+  lo = __float2half_rn(__fmaf_rn(a, c, -__fmul_rn(b, s)));
+  hi = __float2half_rn(__fmaf_rn(b, c, __fmul_rn(a, s)));
+}
+
 // Block-wide sum; every thread gets the result. `scratch` holds >= 32 floats. Must be called
 // by all threads of the block (it contains block barriers), never inside a warp-id branch.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {

@@ -11,14 +11,6 @@
 
 namespace nanoqwen {
 
-// HF rotate_half of the pair (a, b) = (x[d], x[d + D/2]) by (c, s), fp32, explicit roundings so
-// the result cannot depend on how the compiler contracts it. Identical copy in attention.cu
-// (attention_decode must rotate q and k bit for bit as this kernel does).
-__device__ __forceinline__ void rope_pair(float a, float b, float c, float s, half& lo, half& hi) {
-  lo = __float2half_rn(__fmaf_rn(a, c, -__fmul_rn(b, s)));
-  hi = __float2half_rn(__fmaf_rn(b, c, __fmul_rn(a, s)));
-}
-
 __global__ void rope_kv_write_kernel(half* __restrict__ q_out, half* __restrict__ k_cache,
                                      half* __restrict__ v_cache, const half* __restrict__ qkv,
                                      const float* __restrict__ cos_table,
