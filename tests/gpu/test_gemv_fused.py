@@ -7,7 +7,11 @@ elements of x may differ in the last bit: ~1e-5 relative on the output, far belo
 tolerance). Weights come from quantize_int4_gpu and are expanded with dequant_int4 (bit-exact to
 engine/quant.py's dequantize, tested in test_kernels.py); dot products in fp64.
 
-Tolerances (relative L2 error ||out - ref|| / ||ref||):
+Error measure: ||out - ref|| / ||scale||, where scale per row is the size of the rounding-error
+source, sqrt(sum_k (w_k x_k)^2) (plus |ref| for the output rounding; for silu(g)*u propagated
+through silu'(g) and u) -- not |ref| itself, which a single row (n = 1, 7) can draw near zero by
+cancellation. For large n it means the same as the usual relative L2 error.
+Tolerances:
   half outputs (qkv, silu*up): 2e-3. Output rounding alone is ~3e-4 rms; the INT4 kernels sum
       products of exact q (-7..7) and fp16 x four deep in fp16 before fp32 (~4e-4 more); 2e-3
       leaves >= 3x margin.
@@ -36,6 +40,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     assert torch.isfinite(a).all(), "non-finite output (unwritten or overflowed)"
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def scaled_err(out, ref, scale) -> float:
+    out = out.double()
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or overflowed)"
+    return float((out - ref).norm() / scale.norm().clamp_min(1e-30))
+
+
+def dot_scale(w, x):  # sqrt(sum_k (w x)^2) per row
+    return ((w.double() ** 2) @ (x.double() ** 2)).sqrt()
 
 
 def norm_ref(hidden: torch.Tensor, norm_w: torch.Tensor) -> torch.Tensor:
@@ -73,12 +87,13 @@ def test_gemv_int4_norm(gen, n, k, big, with_bias):
     qw, sc, w = make_int4(n, k, gen)
     hidden, nw = make_hidden(k, gen, big)
     bias = (torch.randn(n, generator=gen, device="cuda") * 0.5).half() if with_bias else None
-    ref = w.double() @ norm_ref(hidden, nw).double()
+    x = norm_ref(hidden, nw)
+    ref = w.double() @ x.double()
     if bias is not None:
         ref = ref + bias.double()
     y = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
     ops().gemv_int4_norm(y, hidden, nw, EPS, qw, sc, bias)
-    assert rel_err(y, ref) < TOL_HALF
+    assert scaled_err(y, ref, dot_scale(w, x) + ref.abs()) < TOL_HALF
     y2 = torch.full_like(y, float("nan"))
     ops().gemv_int4_norm(y2, hidden, nw, EPS, qw, sc, bias)
     assert torch.equal(y.view(torch.int16), y2.view(torch.int16))  # deterministic, bit for bit
@@ -90,14 +105,18 @@ def test_gemv_int4_silu_mul_norm(gen, n, k, big):
     qg, sg, wg = make_int4(n, k, gen)
     qu, su, wu = make_int4(n, k, gen)
     hidden, nw = make_hidden(k, gen, big)
-    x = norm_ref(hidden, nw).double()
+    xh = norm_ref(hidden, nw)
+    x = xh.double()
     g, u = wg.double() @ x, wu.double() @ x
     ref = torch.nn.functional.silu(g) * u
+    sig = torch.sigmoid(g)
+    scale = ((sig * (1 + g * (1 - sig))).abs() * u.abs() * dot_scale(wg, xh)
+             + (g * sig).abs() * dot_scale(wu, xh) + ref.abs())
     if not torch.isfinite(ref.half()).all():
         pytest.skip("silu(g)*u itself exceeds fp16 at this draw")
     out = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
     ops().gemv_int4_silu_mul_norm(out, hidden, nw, EPS, qg, sg, qu, su)
-    assert rel_err(out, ref) < TOL_HALF
+    assert scaled_err(out, ref, scale) < TOL_HALF
 
 
 @pytest.mark.parametrize("n,k", [(1, 8), (7, 384), (33, 3584), (4609, 3584), (33, 27648),
@@ -105,10 +124,11 @@ def test_gemv_int4_silu_mul_norm(gen, n, k, big):
 def test_gemv_fp16_norm(gen, n, k):
     w = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).half()
     hidden, nw = make_hidden(k, gen)
-    ref = w.double() @ norm_ref(hidden, nw).double()
+    x = norm_ref(hidden, nw)
+    ref = w.double() @ x.double()
     logits = torch.full((n,), float("nan"), device="cuda")
     ops().gemv_fp16_norm(logits, hidden, nw, EPS, w)
-    assert rel_err(logits, ref) < TOL_LOGITS
+    assert scaled_err(logits, ref, dot_scale(w, x) + ref.abs()) < TOL_LOGITS
 
 
 def test_int4_residual_large_x(gen):
@@ -120,7 +140,7 @@ def test_int4_residual_large_x(gen):
         h0 = torch.randn(n, generator=gen, device="cuda")
         h = h0.clone()
         ops().gemv_int4_residual(h, x, qw, sc)
-        assert rel_err(h - h0, w.double() @ x.double()) < TOL_HALF
+        assert scaled_err(h - h0, w.double() @ x.double(), dot_scale(w, x)) < TOL_HALF
 
 
 def test_fused_bad_shapes_raise_with_numbers():
@@ -134,7 +154,7 @@ def test_fused_bad_shapes_raise_with_numbers():
         ops().gemv_int4_norm(y, hidden[:200], nw, EPS, qw, sc, None)
     with pytest.raises(RuntimeError, match="eps=0"):
         ops().gemv_int4_norm(y, hidden, nw, 0.0, qw, sc, None)
-    with pytest.raises(RuntimeError, match="k=100 is not a multiple of group 128|k=96"):
+    with pytest.raises(RuntimeError, match="k=96 is not a multiple of group 128"):
         ops().gemv_int4_norm(y, hidden, nw, EPS, torch.zeros(8, 12, dtype=torch.int32, device=dev),
                              sc, None)
     with pytest.raises(RuntimeError, match="y has 7 elements, expected n=8"):
