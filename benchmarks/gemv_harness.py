@@ -194,23 +194,34 @@ def check(lib: Lib, quant) -> list[str]:
     for label, n, k, qw, sc, w in cases:
         x = (torch.randn(k, generator=gen)).half().cuda()
         ref = w.double() @ x.double()
+        # errors against the rounding-error scale sqrt(sum (w x)^2) + |ref| (a 1-row case can
+        # cancel to near zero; run 5 failed 1x128 on |ref| alone): same meaning for large n
+        sc_ = ((w.double() ** 2) @ (x.double() ** 2)).sqrt()
+
+        def serr(out, r, scale):
+            out = out.double()
+            return float("inf") if not torch.isfinite(out).all() else ((out - r).norm() / scale.norm()).item()
         bias = (torch.randn(n, generator=gen) * 0.5).half().cuda()
         y = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
         lib.call("gemv_int4", ptr(y), ptr(x), ptr(qw), ptr(sc), ptr(bias), n, k, stream())
-        expect(f"gemv_int4 {label} +bias", rel_err(y, ref + bias.double()), TOL_HALF)
+        expect(f"gemv_int4 {label} +bias", serr(y, ref + bias.double(), sc_ + (ref + bias.double()).abs()), TOL_HALF)
         lib.call("gemv_int4", ptr(y), ptr(x), ptr(qw), ptr(sc), None, n, k, stream())
-        expect(f"gemv_int4 {label} nobias", rel_err(y, ref), TOL_HALF)
+        expect(f"gemv_int4 {label} nobias", serr(y, ref, sc_ + ref.abs()), TOL_HALF)
         h0 = torch.randn(n, device="cuda") * 3
         h = h0.clone()
         lib.call("gemv_int4_residual", ptr(h), ptr(x), ptr(qw), ptr(sc), n, k, stream())
-        expect(f"gemv_int4_residual {label}", rel_err(h - h0, ref), TOL_F32_INT4)
+        expect(f"gemv_int4_residual {label}", serr(h - h0, ref, sc_ + ref.abs()), TOL_F32_INT4)
         # up matrix: a shuffled copy of the rows, so gate != up
         perm = torch.randperm(n, generator=gen).cuda()
         qu, su, wu = qw[perm].contiguous(), sc[perm].contiguous(), w[perm]
         o = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
         lib.call("gemv_int4_silu_mul", ptr(o), ptr(x), ptr(qw), ptr(sc), ptr(qu), ptr(su), n, k, stream())
-        ref_s = torch.nn.functional.silu(ref) * (wu.double() @ x.double())
-        expect(f"gemv_int4_silu_mul {label}", rel_err(o, ref_s), TOL_HALF)
+        ru = wu.double() @ x.double()
+        ref_s = torch.nn.functional.silu(ref) * ru
+        sig = torch.sigmoid(ref)
+        scale_s = ((sig * (1 + ref * (1 - sig))).abs() * ru.abs() * sc_
+                   + (ref * sig).abs() * ((wu.double() ** 2) @ (x.double() ** 2)).sqrt() + ref_s.abs())
+        expect(f"gemv_int4_silu_mul {label}", serr(o, ref_s, scale_s), TOL_HALF)
         d = torch.full((n, k), float("nan"), dtype=torch.float16, device="cuda")
         lib.call("dequant_int4", ptr(d), ptr(qw), ptr(sc), n, k, stream())
         exact = torch.equal(d.view(torch.int16), w.half().view(torch.int16))

@@ -18,11 +18,13 @@
 //   x, qweight, w 16-byte aligned (torch allocations are; a sliced view may not be);
 //   all tensors contiguous, row-major, on the current device.
 // n may be anything >= 1 (no multiple of 8/32 needed): rows past n are never read or written.
-// INT4 accuracy: the launchers use the v4 (ps_*) kernels: products of exact q with fp16 x are
-// summed four deep in fp16 (h16) or not at all (f32), then in fp32. For h16, each block scales x
-// by 2^-e (e >= 0 smallest with max|x| * 2^-e <= 1024; exact for normal results) and the sums
-// back by 2^e, so no finite x overflows (the old v2/tc variants, still in the benchmark table,
-// need |x| < 2339). rel. error vs fp64 about 4e-4 (h16), 1e-7 (f32) before the output rounding.
+// INT4 accuracy (variants chosen per launcher in gemv_int4.cu from GEMV_NOTES.md's run 5):
+// gemv_int4 (tc_corr), gemv_int4_residual (tc_exact): tensor-core products, fp32 sums, no |x|
+// limit, rel. error ~1e-5 (exact) / ~1e-4 (corr). gemv_int4_silu_mul (v2 smem_R1_U2_h16word):
+// q*x summed four deep in fp16, so |x| must stay below 2339 (65504 / (4*7)); rel. error ~4e-4.
+// The fused-norm launchers (v4 ps_*): fp16 four-deep sums too, but each block scales x by 2^-e
+// (e >= 0 smallest with max|x| * 2^-e <= 1024; exact for normal results) and the sums back by
+// 2^e, so no finite x overflows; rel. error ~4e-4.
 // Determinism: every output is written by one thread after a fixed-order reduction (no atomics),
 // so results are bit-identical run to run, graph or eager.
 // PDL: every GEMV is launched with nanoqwen::launch_pdl and follows common.cuh's rules (weights

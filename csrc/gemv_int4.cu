@@ -947,13 +947,19 @@ constexpr bool is_ps(int v) {
 // The variant each launcher uses, per op and, for the residual GEMVs, per k (o_proj k = 3584 vs
 // down_proj k = 18944): chosen from the measurements in GEMV_NOTES.md. The fused-norm launchers
 // use the store / silu choices, which must be ps_* variants (the only ones with the norm).
-constexpr int kStoreVariant = variant_index("ps_T256_L12_h16");        // qkv
-constexpr int kResidSmallKVariant = variant_index("ps_T256_L12_h16");  // o_proj (k <= 8192)
-constexpr int kResidLargeKVariant = variant_index("ps_T256_L12_h16");  // down_proj
-constexpr int kSiluVariant = variant_index("ps_T256_L12_h16");         // gate/up
+// Run 4 (H200, commit 9d01e15, graph of back-to-back PDL launches): the v4 ps_* kernels lost to
+// v2/v3 on every plain shape (GEMV_NOTES.md), so the plain launchers stay on the best v2/v3
+// variant; the fused-norm launchers use the fastest ps_* variant (the only kernels with the norm).
+constexpr int kStoreVariant = variant_index("tc_corr_R2_K8_D2");        // qkv 6.15 us (fp32 sums)
+constexpr int kResidSmallKVariant = variant_index("tc_exact_R1_K8_D4");  // o_proj 4.90 us (fp32)
+constexpr int kResidLargeKVariant = variant_index("tc_exact_R1_K8_D4");  // down 16.68 us (fp32)
+constexpr int kSiluVariant = variant_index("smem_R1_U2_h16word");        // gate/up 25.73 us
+constexpr int kNormStoreVariant = variant_index("ps_T512_L4_h16");       // qkv+norm 7.35 us
+constexpr int kNormSiluVariant = variant_index("ps_T256_L8_h16_B2");     // gate/up+norm 29.93 us
 static_assert(kStoreVariant >= 0 && kResidSmallKVariant >= 0 && kResidLargeKVariant >= 0 &&
-                  kSiluVariant >= 0, "launcher variant name not in kInt4Variants");
-static_assert(is_ps(kStoreVariant) && is_ps(kSiluVariant), "the fused-norm launchers need ps_*");
+                  kSiluVariant >= 0 && kNormStoreVariant >= 0 && kNormSiluVariant >= 0,
+              "launcher variant name not in kInt4Variants");
+static_assert(is_ps(kNormStoreVariant) && is_ps(kNormSiluVariant), "the fused norm needs ps_*");
 int launcher_variant(int op, int k) {
   if (op == OP_STORE) return kStoreVariant;
   if (op == OP_RESID) return k <= 8192 ? kResidSmallKVariant : kResidLargeKVariant;
@@ -1028,7 +1034,7 @@ cudaError_t gemv_int4_norm(half* y, const float* hidden, const half* norm_w, flo
   a.hidden = hidden;
   a.norm_w = norm_w;
   a.eps = eps;
-  return kInt4Variants[kStoreVariant].launch(OP_STORE, a, stream);
+  return kInt4Variants[kNormStoreVariant].launch(OP_STORE, a, stream);
 }
 
 cudaError_t gemv_int4_silu_mul_norm(half* out, const float* hidden, const half* norm_w, float eps,
@@ -1046,7 +1052,7 @@ cudaError_t gemv_int4_silu_mul_norm(half* out, const float* hidden, const half* 
   a.hidden = hidden;
   a.norm_w = norm_w;
   a.eps = eps;
-  return kInt4Variants[kSiluVariant].launch(OP_SILU, a, stream);
+  return kInt4Variants[kNormSiluVariant].launch(OP_SILU, a, stream);
 }
 
 cudaError_t dequant_int4(half* w, const uint32_t* qweight, const half* scales, int n, int k,
