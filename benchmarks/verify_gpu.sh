@@ -24,10 +24,11 @@ import time; t=time.time()
 from nanoqwen.engine.build import load_extension, build_dir
 print(load_extension(), build_dir(), f'{time.time()-t:.0f}s')" 2>&1 | tail -30
 t "tests/gpu"; timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -40
-t "gemv harness"; GEMV_COMMIT=${NANOQWEN_COMMIT:-unknown} timeout 60 python3 benchmarks/gemv_harness.py --out /tmp/gemv 2>&1 | tail -30
+[ "${SKIP_HARNESS:-0}" = 1 ] || { t "gemv harness"; GEMV_COMMIT=${NANOQWEN_COMMIT:-unknown} timeout 60 python3 benchmarks/gemv_harness.py --out /tmp/gemv 2>&1 | tail -30; }
 t "bench 7b"; timeout 80 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph,eager 2>&1 | tail -12
 t "bench_step"; (cd benchmarks && timeout 60 python3 bench_step.py 2>&1 | tail -30)
 t "bench 7b, PDL off"; NANOQWEN_PDL=0 timeout 70 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph 2>&1 | tail -6
+t "bench 7b, norms unfused"; NANOQWEN_FUSE_NORM=0 timeout 70 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph 2>&1 | tail -6
 t "done"
 } 2>&1 | tee "$OUT/verify_log.txt"
 cp /tmp/gemv/gemv_log.txt "$OUT/" 2>/dev/null; ls /tmp/gemv/*.json >/dev/null 2>&1 && cp /tmp/gemv/*.json "$OUT/" 2>/dev/null

@@ -72,10 +72,12 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Streaming 16-byte weight load: read-only path, no L1 allocation (the weights are read
-// once per token; L1 is left to the activations). Used by the GEMV kernels.
+// once per token; L1 is left to the activations). Used by the GEMV kernels. volatile: the
+// kernels issue their first weight loads before griddep_wait() on purpose (PDL), and a
+// non-volatile asm could be sunk past the wait by the compiler.
 __device__ __forceinline__ uint4 ld_weights(const uint4* p) {
   uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
   return v;

@@ -315,6 +315,9 @@ class CudaBackend(Backend):
                                   dtype=torch.float32, device=dev)
         self.ws_ml = torch.zeros(c.num_attention_heads, self.num_splits, 2,
                                  dtype=torch.float32, device=dev)
+        # NANOQWEN_FUSE_NORM=0: norms as separate launches (an A/B switch for measurements)
+        self._fuse_norm = os.environ.get("NANOQWEN_FUSE_NORM", "1") != "0"
+        self._xn = torch.zeros(1, c.hidden_size, dtype=torch.float16, device=dev)
         # attention_decode's per-kv-head "last split merges" counters; it leaves them zero
         self.attn_counters = torch.zeros(c.num_key_value_heads, dtype=torch.int32, device=dev)
         # greedy until a generate() sets its own parameters
@@ -330,6 +333,9 @@ class CudaBackend(Backend):
         o, c = self._ops, self.config
         eps = c.rms_norm_eps
         o.embed_gather(self.hidden, self.embed, self.token_in)
+        if not self._fuse_norm:
+            self._launch_layers_unfused()
+            return
         for li, L in enumerate(self.layers):
             # five launches a layer: each norm is fused into the GEMV that reads it, RoPE, the
             # K/V write and the split merge into attention_decode (every kernel is launched
@@ -343,6 +349,25 @@ class CudaBackend(Backend):
                                       L.up_qw, L.up_sc)
             o.gemv_int4_residual(self.hidden, self.act, L.down_qw, L.down_sc)
         o.gemv_fp16_norm(self.logits, self.hidden, self.norm, eps, self.lm_head)
+        self._launch_sample()
+
+    def _launch_layers_unfused(self) -> None:
+        """The same step with each RMSNorm as its own launch before a plain GEMV (seven
+        launches a layer; NANOQWEN_FUSE_NORM=0, kept to measure what the fusion buys)."""
+        o, c = self._ops, self.config
+        eps, xn = c.rms_norm_eps, self._xn
+        for li, L in enumerate(self.layers):
+            o.rmsnorm(xn, self.hidden, L.ln1, eps)
+            o.gemv_int4(self.qkv, xn, L.qkv_qw, L.qkv_sc, L.qkv_b)
+            o.attention_decode(self.attn, self.ws_acc, self.ws_ml, self.attn_counters, self.qkv,
+                               self.k_layers[li], self.v_layers[li], self.cos, self.sin,
+                               self.page_table, self.pos)
+            o.gemv_int4_residual(self.hidden, self.attn, L.o_qw, L.o_sc)
+            o.rmsnorm(xn, self.hidden, L.ln2, eps)
+            o.gemv_int4_silu_mul(self.act, xn, L.gate_qw, L.gate_sc, L.up_qw, L.up_sc)
+            o.gemv_int4_residual(self.hidden, self.act, L.down_qw, L.down_sc)
+        o.rmsnorm(xn, self.hidden, self.norm, eps)
+        o.gemv_fp16(self.logits, xn, self.lm_head)
         self._launch_sample()
 
     def _launch_sample(self) -> None:
