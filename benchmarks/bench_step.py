@@ -1,6 +1,7 @@
 """Where a decode step's time goes: each op of the 7B step timed alone (a CUDA graph of 50
 launches on the backend's own buffers, median of 7 replays), times its count per token,
-against the whole captured step; also the session-1 unfused ops the fused ones replaced.
+against the whole captured step; also the alternatives (fused-norm GEMVs, the unfused
+rope_kv_write + paged_attention pair).
 NANOQWEN_PDL=0 in the environment launches without programmatic dependent launch (A/B).
 
     python benchmarks/bench_step.py [--preset 7b] [--context 512]
@@ -40,26 +41,25 @@ def main() -> None:
 
     layers = be.layers
     H, nh, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-    # buffers of the unfused ops (timed for comparison; the step no longer launches them)
+    # the step's normed-x buffer and a q buffer for the unfused attention pair
     xn = torch.zeros(1, H, dtype=torch.float16, device=be.device)
     q = torch.zeros(1, nh, d, dtype=torch.float16, device=be.device)
-    rows = [  # the step's launches, in order, with their count per token
+    rows = [  # the step's launches (default: norms as their own launches), count per token
         ("embed_gather", 1, lambda i: o.embed_gather(be.hidden, be.embed, be.token_in)),
-        ("gemv_int4_norm qkv", nl, lambda i: o.gemv_int4_norm(
-            be.qkv, be.hidden, layers[i % nl].ln1, eps, layers[i % nl].qkv_qw,
-            layers[i % nl].qkv_sc, layers[i % nl].qkv_b)),
+        ("rmsnorm", 2 * nl + 1, lambda i: o.rmsnorm(xn, be.hidden, layers[i % nl].ln1, eps)),
+        ("gemv_int4 qkv", nl, lambda i: o.gemv_int4(
+            be.qkv, xn, layers[i % nl].qkv_qw, layers[i % nl].qkv_sc, layers[i % nl].qkv_b)),
         ("attention_decode", nl, lambda i: o.attention_decode(
             be.attn, be.ws_acc, be.ws_ml, be.attn_counters, be.qkv, be.k_layers[i % nl],
             be.v_layers[i % nl], be.cos, be.sin, be.page_table, be.pos)),
         ("gemv_int4_residual o", nl, lambda i: o.gemv_int4_residual(
             be.hidden, be.attn, layers[i % nl].o_qw, layers[i % nl].o_sc)),
-        ("gemv_int4_silu_mul_norm", nl, lambda i: o.gemv_int4_silu_mul_norm(
-            be.act, be.hidden, layers[i % nl].ln2, eps, layers[i % nl].gate_qw,
-            layers[i % nl].gate_sc, layers[i % nl].up_qw, layers[i % nl].up_sc)),
+        ("gemv_int4_silu_mul", nl, lambda i: o.gemv_int4_silu_mul(
+            be.act, xn, layers[i % nl].gate_qw, layers[i % nl].gate_sc, layers[i % nl].up_qw,
+            layers[i % nl].up_sc)),
         ("gemv_int4_residual down", nl, lambda i: o.gemv_int4_residual(
             be.hidden, be.act, layers[i % nl].down_qw, layers[i % nl].down_sc)),
-        ("gemv_fp16_norm lm_head", 1, lambda i: o.gemv_fp16_norm(
-            be.logits, be.hidden, be.norm, eps, be.lm_head)),
+        ("gemv_fp16 lm_head", 1, lambda i: o.gemv_fp16(be.logits, xn, be.lm_head)),
         ("sample_token greedy", 1, lambda i: o.sample_token(
             be.sampled, be.work, be.logits, be.ctx_tokens, be.pos, be.params_f, be.params_i,
             be.counter)),
@@ -67,20 +67,22 @@ def main() -> None:
             be.token_in, be.pos, be.ctx_tokens, be.counter, be.host_ring, be.sampled)),
     ]
     sample_fn = rows[-2][2]
-    unfused = [  # what the fused launches replaced (session-1 step), timed the same way
-        ("(unfused) rmsnorm", 2 * nl + 1, lambda i: o.rmsnorm(xn, be.hidden, layers[i % nl].ln1, eps)),
-        ("(unfused) gemv_int4 qkv", nl, lambda i: o.gemv_int4(
-            be.qkv, xn, layers[i % nl].qkv_qw, layers[i % nl].qkv_sc, layers[i % nl].qkv_b)),
-        ("(unfused) gemv_int4_silu_mul", nl, lambda i: o.gemv_int4_silu_mul(
-            be.act, xn, layers[i % nl].gate_qw, layers[i % nl].gate_sc, layers[i % nl].up_qw,
-            layers[i % nl].up_sc)),
-        ("(unfused) rope_kv_write", nl, lambda i: o.rope_kv_write(
+    other = [  # alternatives, timed the same way, not summed: the fused-norm GEMVs
+        # (NANOQWEN_FUSE_NORM=1) and the session-1 pair attention_decode replaced
+        ("(alt) gemv_int4_norm qkv", nl, lambda i: o.gemv_int4_norm(
+            be.qkv, be.hidden, layers[i % nl].ln1, eps, layers[i % nl].qkv_qw,
+            layers[i % nl].qkv_sc, layers[i % nl].qkv_b)),
+        ("(alt) gemv_int4_silu_mul_norm", nl, lambda i: o.gemv_int4_silu_mul_norm(
+            be.act, be.hidden, layers[i % nl].ln2, eps, layers[i % nl].gate_qw,
+            layers[i % nl].gate_sc, layers[i % nl].up_qw, layers[i % nl].up_sc)),
+        ("(alt) gemv_fp16_norm lm_head", 1, lambda i: o.gemv_fp16_norm(
+            be.logits, be.hidden, be.norm, eps, be.lm_head)),
+        ("(alt) rope_kv_write", nl, lambda i: o.rope_kv_write(
             q, be.k_layers[i % nl], be.v_layers[i % nl], be.qkv, be.cos, be.sin, be.pos,
             be.page_table)),
-        ("(unfused) paged_attention", nl, lambda i: o.paged_attention(
+        ("(alt) paged_attention", nl, lambda i: o.paged_attention(
             be.attn, be.ws_acc, be.ws_ml, q[0], be.k_layers[i % nl], be.v_layers[i % nl],
             be.page_table, be.pos)),
-        ("(unfused) gemv_fp16 lm_head", 1, lambda i: o.gemv_fp16(be.logits, xn, be.lm_head)),
     ]
     import os
     print(f"# {cfg.name} decode step at context {a.context}, {torch.cuda.get_device_name()}, "
@@ -89,10 +91,10 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
     total = 0.0
     with torch.inference_mode():
-        for name, count, fn in rows + unfused:
+        for name, count, fn in rows + other:
             us = time_graph(fn)
             be.pos.fill_(pos_val)
-            if not name.startswith("(unfused)"):
+            if not name.startswith("(alt)"):
                 total += us * count
             print(f"| {name} | {us:.2f} | {count} | {us * count:.1f} |")
         # the sampler with a full chain (temperature/top-k/top-p/min-p/penalty)

@@ -28,7 +28,7 @@ t "tests/gpu"; timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/gpu -q --tb=
 t "bench 7b"; timeout 80 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph,eager 2>&1 | tail -12
 t "bench_step"; (cd benchmarks && timeout 60 python3 bench_step.py 2>&1 | tail -30)
 t "bench 7b, PDL off"; NANOQWEN_PDL=0 timeout 70 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph 2>&1 | tail -6
-t "bench 7b, norms unfused"; NANOQWEN_FUSE_NORM=0 timeout 70 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph 2>&1 | tail -6
+t "bench 7b, norms fused"; NANOQWEN_FUSE_NORM=1 timeout 70 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph 2>&1 | tail -6
 t "done"
 } 2>&1 | tee "$OUT/verify_log.txt"
 cp /tmp/gemv/gemv_log.txt "$OUT/" 2>/dev/null; ls /tmp/gemv/*.json >/dev/null 2>&1 && cp /tmp/gemv/*.json "$OUT/" 2>/dev/null

@@ -27,6 +27,7 @@ namespace nanoqwen {
 
 constexpr int kSampleThreads = 1024;
 constexpr int kSampleWarps = kSampleThreads / 32;
+constexpr int kWarpHistBytes = kSampleWarps * 256 * 8;  // radix_threshold's per-warp histograms
 
 __device__ __forceinline__ uint32_t float_key(float f) {
   const uint32_t b = __float_as_uint(f);
@@ -173,19 +174,56 @@ __device__ void radix_pick(unsigned long long remaining, SampleShared& sh) {
 template <bool kMass>
 __device__ uint32_t radix_threshold(const float* __restrict__ src, int V, uint32_t floor_key,
                                     float mx, unsigned long long target, SampleShared& sh) {
+  // Histograms: one private 256-bin copy per warp (dynamic shared memory, kWarpHistBytes), and
+  // within a warp the lanes that hit the same bin are merged first (__match_any_sync + an
+  // exact integer reduction), so each distinct bin costs one shared atomic per warp step.
+  // One shared histogram hit by every lane (session 1) serialised on the few hot bins: logits
+  // concentrate in a handful of top digits, and the H200 measured ~2 ms per call at V = 152064.
+  // Integer sums, so the result does not depend on the order: still deterministic.
+  extern __shared__ unsigned long long whist[];  // [kSampleWarps][256]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  unsigned long long* my = whist + warp * 256;
   uint32_t prefix = 0, mask = 0;
   unsigned long long remaining = target;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = threadIdx.x; i < 256; i += kSampleThreads) sh.hist[i] = 0ull;
+    for (int i = threadIdx.x; i < kSampleWarps * 256; i += kSampleThreads) whist[i] = 0ull;
     __syncthreads();
-    for (int i = threadIdx.x; i < V; i += kSampleThreads) {
-      const float v = src[i];
-      const uint32_t key = float_key(v);
-      if ((key & mask) == prefix && key >= floor_key) {
-        const unsigned long long w =
-            kMass ? __float2ull_rn(__expf(v - mx) * 4294967296.0f) : 1ull;
-        if (w) atomicAdd(&sh.hist[(key >> shift) & 255u], w);
+    for (int i0 = 0; i0 < V; i0 += kSampleThreads) {  // same trip count for every lane
+      const int i = i0 + threadIdx.x;
+      bool take = false;
+      uint32_t bin = 0;
+      unsigned long long w = 0;
+      if (i < V) {
+        const float v = src[i];
+        const uint32_t key = float_key(v);
+        if ((key & mask) == prefix && key >= floor_key) {
+          w = kMass ? __float2ull_rn(__expf(v - mx) * 4294967296.0f) : 1ull;  // <= 2^32
+          take = w != 0;
+          bin = (key >> shift) & 255u;
+        }
       }
+      const unsigned act = __ballot_sync(0xffffffffu, take);
+      if (take) {
+        const unsigned peers = __match_any_sync(act, bin);
+        unsigned long long total;
+        if constexpr (kMass) {  // w < 2^33 in three parts whose 32-lane sums fit 32 bits
+          const unsigned a = __reduce_add_sync(peers, (unsigned)(w & 0xFFFFu));
+          const unsigned b = __reduce_add_sync(peers, (unsigned)((w >> 16) & 0xFFFFu));
+          const unsigned c = __reduce_add_sync(peers, (unsigned)(w >> 32));
+          total = (unsigned long long)a + ((unsigned long long)b << 16) +
+                  ((unsigned long long)c << 32);
+        } else {
+          total = (unsigned long long)__popc(peers);
+        }
+        if (lane == __ffs(peers) - 1) atomicAdd(&my[bin], total);
+      }
+    }
+    __syncthreads();
+    for (int b = threadIdx.x; b < 256; b += kSampleThreads) {
+      unsigned long long t = 0;
+#pragma unroll 8
+      for (int w = 0; w < kSampleWarps; ++w) t += whist[w * 256 + b];
+      sh.hist[b] = t;
     }
     __syncthreads();
     radix_pick(remaining, sh);
@@ -197,7 +235,7 @@ __device__ uint32_t radix_threshold(const float* __restrict__ src, int V, uint32
   return prefix;
 }
 
-__global__ void __launch_bounds__(kSampleThreads)
+__global__ void __launch_bounds__(kSampleThreads, 1)
 sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
               const float* __restrict__ logits, int V, const int32_t* __restrict__ ctx_tokens,
               int ctx_capacity, const int32_t* __restrict__ pos_ptr, const float* __restrict__ params_f,
@@ -315,7 +353,12 @@ cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, i
                          const float* params_f, const int64_t* params_i, const int64_t* counter,
                          cudaStream_t stream) {
   if (V <= 0 || ctx_capacity <= 0) return cudaErrorInvalidValue;
-  return launch_pdl(sample_kernel, dim3(1), dim3(kSampleThreads), 0, stream, out_token, work,
+  // > 48 KB of dynamic shared memory needs the attribute; once per process (not a stream
+  // operation, so also legal when the first call happens under graph capture)
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWarpHistBytes);
+  if (attr != cudaSuccess) return attr;
+  return launch_pdl(sample_kernel, dim3(1), dim3(kSampleThreads), kWarpHistBytes, stream, out_token, work,
                     logits, V, ctx_tokens, ctx_capacity, pos, params_f, params_i, counter);
 }
 

@@ -315,8 +315,8 @@ class CudaBackend(Backend):
                                   dtype=torch.float32, device=dev)
         self.ws_ml = torch.zeros(c.num_attention_heads, self.num_splits, 2,
                                  dtype=torch.float32, device=dev)
-        # NANOQWEN_FUSE_NORM=0: norms as separate launches (an A/B switch for measurements)
-        self._fuse_norm = os.environ.get("NANOQWEN_FUSE_NORM", "1") != "0"
+        # NANOQWEN_FUSE_NORM=1: norms inside the GEMV prologues (an A/B switch, see _launch_step)
+        self._fuse_norm = os.environ.get("NANOQWEN_FUSE_NORM", "0") == "1"
         self._xn = torch.zeros(1, c.hidden_size, dtype=torch.float16, device=dev)
         # attention_decode's per-kv-head "last split merges" counters; it leaves them zero
         self.attn_counters = torch.zeros(c.num_key_value_heads, dtype=torch.int32, device=dev)
@@ -329,45 +329,40 @@ class CudaBackend(Backend):
 
     # --- the decode step ----------------------------------------------------------------------
     def _launch_step(self) -> None:
-        """Every launch of one decode step, on the current stream (eager or under capture)."""
-        o, c = self._ops, self.config
-        eps = c.rms_norm_eps
-        o.embed_gather(self.hidden, self.embed, self.token_in)
-        if not self._fuse_norm:
-            self._launch_layers_unfused()
-            return
-        for li, L in enumerate(self.layers):
-            # five launches a layer: each norm is fused into the GEMV that reads it, RoPE, the
-            # K/V write and the split merge into attention_decode (every kernel is launched
-            # with PDL, so each one's weight fetch overlaps the previous one's tail)
-            o.gemv_int4_norm(self.qkv, self.hidden, L.ln1, eps, L.qkv_qw, L.qkv_sc, L.qkv_b)
-            o.attention_decode(self.attn, self.ws_acc, self.ws_ml, self.attn_counters, self.qkv,
-                               self.k_layers[li], self.v_layers[li], self.cos, self.sin,
-                               self.page_table, self.pos)
-            o.gemv_int4_residual(self.hidden, self.attn, L.o_qw, L.o_sc)
-            o.gemv_int4_silu_mul_norm(self.act, self.hidden, L.ln2, eps, L.gate_qw, L.gate_sc,
-                                      L.up_qw, L.up_sc)
-            o.gemv_int4_residual(self.hidden, self.act, L.down_qw, L.down_sc)
-        o.gemv_fp16_norm(self.logits, self.hidden, self.norm, eps, self.lm_head)
-        self._launch_sample()
+        """Every launch of one decode step, on the current stream (eager or under capture).
 
-    def _launch_layers_unfused(self) -> None:
-        """The same step with each RMSNorm as its own launch before a plain GEMV (seven
-        launches a layer; NANOQWEN_FUSE_NORM=0, kept to measure what the fusion buys)."""
+        Seven launches a layer: rmsnorm -> qkv GEMV -> attention_decode (RoPE, K/V write,
+        split-K attention and the split merge in one) -> o GEMV into the residual -> rmsnorm ->
+        gate/up GEMV with SiLU*mul -> down GEMV into the residual. Every kernel is launched
+        with PDL (csrc/common.cuh), so each GEMV's weight fetch starts under the previous
+        kernel's tail. NANOQWEN_FUSE_NORM=1 folds the norms into the GEMVs' prologues instead
+        (five launches a layer); the H200 measured that 3.7% slower (benchmarks/RESULTS.md),
+        so it is an A/B switch, not the default."""
         o, c = self._ops, self.config
         eps, xn = c.rms_norm_eps, self._xn
+        o.embed_gather(self.hidden, self.embed, self.token_in)
         for li, L in enumerate(self.layers):
-            o.rmsnorm(xn, self.hidden, L.ln1, eps)
-            o.gemv_int4(self.qkv, xn, L.qkv_qw, L.qkv_sc, L.qkv_b)
+            if self._fuse_norm:
+                o.gemv_int4_norm(self.qkv, self.hidden, L.ln1, eps, L.qkv_qw, L.qkv_sc, L.qkv_b)
+            else:
+                o.rmsnorm(xn, self.hidden, L.ln1, eps)
+                o.gemv_int4(self.qkv, xn, L.qkv_qw, L.qkv_sc, L.qkv_b)
             o.attention_decode(self.attn, self.ws_acc, self.ws_ml, self.attn_counters, self.qkv,
                                self.k_layers[li], self.v_layers[li], self.cos, self.sin,
                                self.page_table, self.pos)
             o.gemv_int4_residual(self.hidden, self.attn, L.o_qw, L.o_sc)
-            o.rmsnorm(xn, self.hidden, L.ln2, eps)
-            o.gemv_int4_silu_mul(self.act, xn, L.gate_qw, L.gate_sc, L.up_qw, L.up_sc)
+            if self._fuse_norm:
+                o.gemv_int4_silu_mul_norm(self.act, self.hidden, L.ln2, eps, L.gate_qw,
+                                          L.gate_sc, L.up_qw, L.up_sc)
+            else:
+                o.rmsnorm(xn, self.hidden, L.ln2, eps)
+                o.gemv_int4_silu_mul(self.act, xn, L.gate_qw, L.gate_sc, L.up_qw, L.up_sc)
             o.gemv_int4_residual(self.hidden, self.act, L.down_qw, L.down_sc)
-        o.rmsnorm(xn, self.hidden, self.norm, eps)
-        o.gemv_fp16(self.logits, xn, self.lm_head)
+        if self._fuse_norm:
+            o.gemv_fp16_norm(self.logits, self.hidden, self.norm, eps, self.lm_head)
+        else:
+            o.rmsnorm(xn, self.hidden, self.norm, eps)
+            o.gemv_fp16(self.logits, xn, self.lm_head)
         self._launch_sample()
 
     def _launch_sample(self) -> None:
@@ -452,7 +447,8 @@ class CudaBackend(Backend):
                 g, u = gu.float().chunk(2, dim=-1)
                 act = (F.silu(g) * u).to(torch.float16)   # fp32 math, one rounding, as the GEMV
                 h.add_(F.linear(act, W_d))
-        o.gemv_fp16_norm(self.logits, hidden[t - 1], self.norm, eps, self.lm_head)
+        o.rmsnorm(self._xn, hidden[t - 1:], self.norm, eps)
+        o.gemv_fp16(self.logits, self._xn, self.lm_head)
         if sample:
             self.pos.fill_(pos0 + t - 1)
             self._launch_sample()
