@@ -17,6 +17,9 @@
 //   6. temperature: weights exp((l - max)/T) (2^32 fixed point), one draw from
 //      Philox4x32-10(key = seed, counter = step counter): an exclusive scan of per-thread
 //      contiguous chunk sums locates the chunk, whose thread walks it in id order.
+// When top-k leaves at most 1024 survivors (the default top-k 40), steps 4-6 run on a compact
+// list of them in shared memory (sample_compact) instead of passing over the vocabulary again.
+// Radix histograms are per warp with same-bin lanes merged first (radix_threshold).
 // Parameters are read from device memory on every call (no graph re-capture when they change).
 #include <math_constants.h>
 
@@ -188,13 +191,24 @@ __device__ uint32_t radix_threshold(const float* __restrict__ src, int V, uint32
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < kSampleWarps * 256; i += kSampleThreads) whist[i] = 0ull;
     __syncthreads();
-    for (int i0 = 0; i0 < V; i0 += kSampleThreads) {  // same trip count for every lane
-      const int i = i0 + threadIdx.x;
+    // kBatch loads in flight per thread before the warp intrinsics (one dependent L2 load
+    // per element left each pass bound by latency); same trip count for every lane
+    constexpr int kBatch = 8;
+    for (int i0 = 0; i0 < V; i0 += kBatch * kSampleThreads) {
+      float vb[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int i = i0 + u * kSampleThreads + threadIdx.x;
+        vb[u] = i < V ? src[i] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+      const int i = i0 + u * kSampleThreads + threadIdx.x;
       bool take = false;
       uint32_t bin = 0;
       unsigned long long w = 0;
       if (i < V) {
-        const float v = src[i];
+        const float v = vb[u];
         const uint32_t key = float_key(v);
         if ((key & mask) == prefix && key >= floor_key) {
           w = kMass ? __float2ull_rn(__expf(v - mx) * 4294967296.0f) : 1ull;  // <= 2^32
@@ -217,6 +231,7 @@ __device__ uint32_t radix_threshold(const float* __restrict__ src, int V, uint32
         }
         if (lane == __ffs(peers) - 1) atomicAdd(&my[bin], total);
       }
+      }
     }
     __syncthreads();
     for (int b = threadIdx.x; b < 256; b += kSampleThreads) {
@@ -233,6 +248,121 @@ __device__ uint32_t radix_threshold(const float* __restrict__ src, int V, uint32
     __syncthreads();  // sh.sel_* are rewritten by the next pass
   }
   return prefix;
+}
+
+// exp((v - mx) * inv_t) in 2^32 fixed point (<= 2^32 for v <= mx): sums of these are exact
+// integers, so they do not depend on the order of the additions.
+__device__ __forceinline__ unsigned long long fixed_mass(float v, float mx, float inv_t) {
+  return __float2ull_rn(__expf((v - mx) * inv_t) * 4294967296.0f);
+}
+
+// top-p's target mass: ceil(top_p * z), at least 1 and at most z.
+__device__ __forceinline__ unsigned long long top_p_target(float top_p, unsigned long long z) {
+  const unsigned long long t = (unsigned long long)ceil((double)top_p * (double)z);
+  return t < 1ull ? 1ull : (t > z ? z : t);
+}
+
+// Exclusive scan of `mine` over the block in thread order; `total` gets the block's sum.
+// Called by every thread, outside warp branches.
+__device__ unsigned long long block_excl_scan_u64(unsigned long long mine, SampleShared& sh,
+                                                  unsigned long long& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  unsigned long long incl = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned long long other = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += other;
+  }
+  __syncthreads();
+  if (lane == 31) sh.red[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    unsigned long long t = sh.red[lane];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned long long other = __shfl_up_sync(0xffffffffu, t, o);
+      if (lane >= o) t += other;
+    }
+    sh.red[lane] = t;  // inclusive totals of warps 0..lane
+  }
+  __syncthreads();
+  total = sh.red[kSampleWarps - 1];
+  return incl - mine + (warp > 0 ? sh.red[warp - 1] : 0ull);
+}
+
+// The draw: a point in [0, total) from 53 bits of Philox4x32-10(key = seed, counter).
+__device__ unsigned long long draw_pick(const int64_t* counter, uint64_t seed,
+                                        unsigned long long total) {
+  const uint64_t ctr = (uint64_t)counter[0];
+  const uint4 r = philox4x32_10(make_uint4((uint32_t)ctr, (uint32_t)(ctr >> 32), 0x6e716e71u, 0u),
+                                make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
+  const double u = (double)(((uint64_t)r.x << 21) ^ ((uint64_t)r.y >> 11)) *
+                   (1.0 / 9007199254740992.0);  // 53 random bits in [0, 1)
+  unsigned long long pick = (unsigned long long)(u * (double)total);
+  return pick >= total ? total - 1 : pick;
+}
+
+// Steps 4-6 on the top-k survivors (key >= floor_key) when they fit one per thread: they are
+// compacted in a fixed order (thread-major: thread t's ids t, t+1024, ... ; a count pass, a
+// block scan, a write pass), then top-p, min-p and the draw work on that list in shared memory
+// instead of passing over the whole vocabulary four more times. Same candidate set and the
+// same probabilities as the full path (top-p's threshold is the largest kept key whose mass of
+// keys >= it reaches the target, as the radix walk finds it); only the order in which the draw
+// walks the candidates differs, which is fixed, so draws stay a function of (seed, counter).
+// Returns false (block-uniform) when ties leave more than kSampleThreads survivors.
+__device__ bool sample_compact(int32_t* out_token, const float* __restrict__ src, int V,
+                               uint32_t floor_key, float mx, float temperature, float top_p,
+                               float min_p, uint64_t seed, const int64_t* counter,
+                               SampleShared& sh) {
+  extern __shared__ unsigned long long whist[];  // free again after radix_threshold
+  float* cv = reinterpret_cast<float*>(whist);                      // [kSampleThreads]
+  int* ci = reinterpret_cast<int*>(cv + kSampleThreads);            // [kSampleThreads]
+  unsigned long long* cw = whist + kSampleThreads;                  // [kSampleThreads]
+  const int t = threadIdx.x;
+  unsigned long long mine = 0;
+  for (int i = t; i < V; i += kSampleThreads) mine += float_key(src[i]) >= floor_key;
+  unsigned long long n;
+  unsigned long long at = block_excl_scan_u64(mine, sh, n);
+  if (n > (unsigned long long)kSampleThreads) return false;
+  if (mine) {
+    for (int i = t; i < V; i += kSampleThreads) {
+      const float v = src[i];
+      if (float_key(v) >= floor_key) {
+        cv[at] = v;
+        ci[at] = i;
+        ++at;
+      }
+    }
+  }
+  __syncthreads();
+  const bool have = t < (int)n;
+  const float v = have ? cv[t] : 0.f;
+  const uint32_t key = have ? float_key(v) : 0u;
+  uint32_t floor2 = floor_key;
+  if (top_p < 1.0f) {
+    const unsigned long long w = have ? fixed_mass(v, mx, 1.0f) : 0ull;
+    if (have) cw[t] = w;
+    const unsigned long long z = block_sum_u64(w, sh);  // its barriers publish cw
+    const unsigned long long target = top_p_target(top_p, z);
+    unsigned long long m = 0;  // mass of the candidates with key >= this one's
+    if (have)
+      for (int j = 0; j < (int)n; ++j) m += float_key(cv[j]) >= key ? cw[j] : 0ull;
+    if (t == 0) sh.sel_digit = 0;
+    __syncthreads();
+    if (have && m >= target) atomicMax(reinterpret_cast<unsigned*>(&sh.sel_digit), key);
+    __syncthreads();
+    floor2 = max(floor2, (uint32_t)sh.sel_digit);
+  }
+  if (min_p > 0.f) floor2 = max(floor2, float_key(mx + logf(min_p)));
+  const unsigned long long wt =
+      have && key >= floor2 ? fixed_mass(v, mx, 1.0f / temperature) : 0ull;
+  unsigned long long total;
+  const unsigned long long excl = block_excl_scan_u64(wt, sh, total);
+  if (t == 0) out_token[0] = sh.max_idx;  // fallback (total > 0 always: the max is kept)
+  __syncthreads();
+  const unsigned long long pick = draw_pick(counter, seed, total);
+  if (wt > 0 && excl <= pick && pick < excl + wt) out_token[0] = ci[t];
+  return true;
 }
 
 __global__ void __launch_bounds__(kSampleThreads, 1)
@@ -279,17 +409,21 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
   if (top_k > 0 && top_k < V)
     floor_key = radix_threshold<false>(src, V, 0u, mx, (unsigned long long)top_k, sh);
 
+  // 3b. at most one survivor per thread left (the usual top-k 40): finish on a compact list
+  if (top_k > 0 && top_k <= kSampleThreads &&
+      sample_compact(out_token, src, V, floor_key, mx, temperature, top_p, min_p, seed,
+                     counter, sh))
+    return;  // block-uniform
+
   // 4. top-p over the softmax of the top-k survivors
   if (top_p < 1.0f) {
     unsigned long long z = 0;
     for (int i = threadIdx.x; i < V; i += kSampleThreads) {
       const float v = src[i];
-      if (float_key(v) >= floor_key) z += __float2ull_rn(__expf(v - mx) * 4294967296.0f);
+      if (float_key(v) >= floor_key) z += fixed_mass(v, mx, 1.0f);
     }
     z = block_sum_u64(z, sh);
-    unsigned long long target = (unsigned long long)ceil((double)top_p * (double)z);
-    target = target < 1ull ? 1ull : (target > z ? z : target);
-    floor_key = radix_threshold<true>(src, V, floor_key, mx, target, sh);
+    floor_key = radix_threshold<true>(src, V, floor_key, mx, top_p_target(top_p, z), sh);
   }
 
   // 5. min-p (a ratio of probabilities = a difference of logits)
@@ -302,46 +436,19 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
   unsigned long long mine = 0;
   for (int i = c0; i < c1; ++i) {
     const float v = src[i];
-    if (float_key(v) >= floor_key) mine += __float2ull_rn(__expf((v - mx) * inv_t) * 4294967296.0f);
+    if (float_key(v) >= floor_key) mine += fixed_mass(v, mx, inv_t);
   }
-  // exclusive scan of `mine` over the block (warp scans + a scan of the warp totals)
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  unsigned long long incl = mine;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const unsigned long long other = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += other;
-  }
-  __syncthreads();
-  if (lane == 31) sh.red[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    unsigned long long t = sh.red[lane];
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const unsigned long long other = __shfl_up_sync(0xffffffffu, t, o);
-      if (lane >= o) t += other;
-    }
-    sh.red[lane] = t;  // inclusive totals of warps 0..lane
-  }
-  __syncthreads();
-  const unsigned long long total = sh.red[kSampleWarps - 1];
-  const unsigned long long excl = incl - mine + (warp > 0 ? sh.red[warp - 1] : 0ull);
+  unsigned long long total;
+  const unsigned long long excl = block_excl_scan_u64(mine, sh, total);
   if (threadIdx.x == 0) out_token[0] = sh.max_idx;  // fallback, overwritten below
   __syncthreads();
-  const uint64_t ctr = (uint64_t)counter[0];
-  const uint4 r = philox4x32_10(make_uint4((uint32_t)ctr, (uint32_t)(ctr >> 32), 0x6e716e71u, 0u),
-                                make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
-  const double u = (double)(((uint64_t)r.x << 21) ^ ((uint64_t)r.y >> 11)) *
-                   (1.0 / 9007199254740992.0);  // 53 random bits in [0, 1)
-  unsigned long long pick = (unsigned long long)(u * (double)total);
-  if (pick >= total) pick = total - 1;
+  const unsigned long long pick = draw_pick(counter, seed, total);
   if (mine > 0 && excl <= pick && pick < excl + mine) {
     unsigned long long acc = excl;
     for (int i = c0; i < c1; ++i) {
       const float v = src[i];
       if (float_key(v) >= floor_key) {
-        acc += __float2ull_rn(__expf((v - mx) * inv_t) * 4294967296.0f);
+        acc += fixed_mass(v, mx, inv_t);
         if (acc > pick) { out_token[0] = i; break; }
       }
     }

@@ -230,6 +230,24 @@ def test_sample_distribution(gen, kw):
     assert tv < 0.1, tv
 
 
+def test_sample_top_k_ties_beyond_compact_list(gen):
+    """top-k keeps every token tied at the k-th value: with all logits equal, top_k=40 keeps
+    the whole vocabulary, more than the compact path's one-per-thread list holds, so the
+    kernel must take the full path -- and still draw uniformly over all 152064 ids."""
+    from nanoqwen.engine.sampling import SamplerParams
+
+    V = 152064
+    logits = torch.zeros(V, device="cuda")
+    params = SamplerParams(temperature=1.0, top_k=40, top_p=1.0, min_p=0.0)
+    pf, pi, ctx, pos = sampler_state(params, 99, V, [1])
+    draws = [draw(logits, pf, pi, ctx, pos, i) for i in range(300)]
+    assert all(0 <= t < V for t in draws)
+    # 300 uniform draws over 152064 ids: a repeat is unlikely (expected ~0.3 pairs); a path
+    # that wrongly kept only 40 tokens would repeat ~1000 times
+    assert len(set(draws)) >= 295, len(set(draws))
+    assert max(draws) > 1024 * 40  # ids far beyond any 40-token (or 1024-token) prefix
+
+
 def test_advance_step():
     token_in = torch.zeros(1, dtype=torch.int32, device="cuda")
     pos = torch.tensor([41], dtype=torch.int32, device="cuda")
