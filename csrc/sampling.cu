@@ -17,8 +17,9 @@
 //   6. temperature: weights exp((l - max)/T) (2^32 fixed point), one draw from
 //      Philox4x32-10(key = seed, counter = step counter): an exclusive scan of per-thread
 //      contiguous chunk sums locates the chunk, whose thread walks it in id order.
-// When top-k leaves at most 1024 survivors (the default top-k 40), steps 4-6 run on a compact
-// list of them in shared memory (sample_compact) instead of passing over the vocabulary again.
+// top-k up to 1024 (the default 40) skips the radix passes: the k-th largest per-thread maximum
+// bounds the threshold from below, the few tokens above it are compacted and steps 3-6 finish
+// on that list in shared memory (sample_top_k_fast); flat distributions fall back to the radix.
 // Radix histograms are per warp with same-bin lanes merged first (radix_threshold).
 // Parameters are read from device memory on every call (no graph re-capture when they change).
 #include <math_constants.h>
@@ -75,7 +76,8 @@ __device__ unsigned long long block_sum_u64(unsigned long long v, SampleShared& 
 }
 
 // Argmax of src[0..V) (lowest id on ties) into sh.max_val / sh.max_idx.
-__device__ void block_argmax(const float* __restrict__ src, int V, SampleShared& sh) {
+__device__ void block_argmax(const float* __restrict__ src, int V, SampleShared& sh,
+                             uint32_t* thread_max_key = nullptr) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float bv = -CUDART_INF_F;
   int bi = 0x7fffffff;
@@ -109,6 +111,7 @@ __device__ void block_argmax(const float* __restrict__ src, int V, SampleShared&
     const float v = src[i];
     if (v > bv) { bv = v; bi = i; }
   }
+  if (thread_max_key) thread_max_key[threadIdx.x] = float_key(bv);  // read after barriers below
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
@@ -302,51 +305,95 @@ __device__ unsigned long long draw_pick(const int64_t* counter, uint64_t seed,
   return pick >= total ? total - 1 : pick;
 }
 
-// Steps 4-6 on the top-k survivors (key >= floor_key) when they fit one per thread: they are
-// compacted in a fixed order (thread-major: thread t's ids t, t+1024, ... ; a count pass, a
-// block scan, a write pass), then top-p, min-p and the draw work on that list in shared memory
-// instead of passing over the whole vocabulary four more times. Same candidate set and the
-// same probabilities as the full path (top-p's threshold is the largest kept key whose mass of
-// keys >= it reaches the target, as the radix walk finds it); only the order in which the draw
-// walks the candidates differs, which is fixed, so draws stay a function of (seed, counter).
-// Returns false (block-uniform) when ties leave more than kSampleThreads survivors.
-__device__ bool sample_compact(int32_t* out_token, const float* __restrict__ src, int V,
-                               uint32_t floor_key, float mx, float temperature, float top_p,
-                               float min_p, uint64_t seed, const int64_t* counter,
-                               SampleShared& sh) {
-  extern __shared__ unsigned long long whist[];  // free again after radix_threshold
-  float* cv = reinterpret_cast<float*>(whist);                      // [kSampleThreads]
-  int* ci = reinterpret_cast<int*>(cv + kSampleThreads);            // [kSampleThreads]
-  unsigned long long* cw = whist + kSampleThreads;                  // [kSampleThreads]
+// Shared-memory layout of the compact path inside the dynamic buffer (radix_threshold's
+// per-warp histograms are not live while it runs): candidate values, ids, masses, a sort
+// buffer and the per-thread maxima, kSampleThreads entries each.
+struct CompactSmem {
+  float* cv;
+  int* ci;
+  unsigned long long* cw;
+  uint32_t* sort;
+  uint32_t* tmax;  // float_key of each thread's maximum (block_argmax fills it)
+};
+__device__ __forceinline__ CompactSmem compact_smem() {
+  extern __shared__ unsigned long long whist[];
+  CompactSmem c;
+  c.cw = whist;                                                    // 8 KB
+  c.cv = reinterpret_cast<float*>(whist + kSampleThreads);         // 4 KB
+  c.ci = reinterpret_cast<int*>(c.cv + kSampleThreads);            // 4 KB
+  c.sort = reinterpret_cast<uint32_t*>(c.ci + kSampleThreads);     // 4 KB
+  c.tmax = c.sort + kSampleThreads;                                // 4 KB
+  return c;
+}
+
+// Sorts kSampleThreads keys in shared memory into descending order (bitonic, one pair per
+// thread per stage). Called by every thread, outside warp branches.
+__device__ void bitonic_sort_desc(uint32_t* a) {
+  const int t = threadIdx.x;
+  for (int size = 2; size <= kSampleThreads; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      __syncthreads();
+      const int p = t ^ stride;
+      if (p > t) {
+        const bool desc = (t & size) == 0;
+        const uint32_t x = a[t], y = a[p];
+        if ((x < y) == desc) {
+          a[t] = y;
+          a[p] = x;
+        }
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// The ids with key >= floor, in a fixed order (thread-major: thread t's ids t, t+1024, ...; a
+// count pass, a block scan, a write pass), into c.cv / c.ci. Returns their number; when it is
+// above kSampleThreads nothing is written (block-uniform).
+__device__ int compact_candidates(const float* __restrict__ src, int V, uint32_t floor,
+                                  const CompactSmem& c, SampleShared& sh) {
   const int t = threadIdx.x;
   unsigned long long mine = 0;
-  for (int i = t; i < V; i += kSampleThreads) mine += float_key(src[i]) >= floor_key;
+  for (int i = t; i < V; i += kSampleThreads) mine += float_key(src[i]) >= floor;
   unsigned long long n;
   unsigned long long at = block_excl_scan_u64(mine, sh, n);
-  if (n > (unsigned long long)kSampleThreads) return false;
+  if (n > (unsigned long long)kSampleThreads) return (int)min(n, (unsigned long long)INT32_MAX);
   if (mine) {
     for (int i = t; i < V; i += kSampleThreads) {
       const float v = src[i];
-      if (float_key(v) >= floor_key) {
-        cv[at] = v;
-        ci[at] = i;
+      if (float_key(v) >= floor) {
+        c.cv[at] = v;
+        c.ci[at] = i;
         ++at;
       }
     }
   }
   __syncthreads();
-  const bool have = t < (int)n;
-  const float v = have ? cv[t] : 0.f;
-  const uint32_t key = have ? float_key(v) : 0u;
+  return (int)n;
+}
+
+// Steps 4-6 on the n compacted candidates, of which those with key >= floor_key survived
+// top-k: top-p, min-p and the draw on a one-per-thread list in shared memory instead of more
+// passes over the whole vocabulary. Same candidate set and the same probabilities as the full
+// path (top-p's threshold is the largest kept key whose mass of keys >= it reaches the target,
+// as the radix walk finds it); only the order in which the draw walks the candidates differs,
+// and it is fixed, so draws stay a function of (seed, counter).
+__device__ void finish_compact(int32_t* out_token, int n, uint32_t floor_key, float mx,
+                               float temperature, float top_p, float min_p, uint64_t seed,
+                               const int64_t* counter, const CompactSmem& c, SampleShared& sh) {
+  const int t = threadIdx.x;
+  const float v = t < n ? c.cv[t] : 0.f;
+  const uint32_t key = t < n ? float_key(v) : 0u;
+  const bool have = t < n && key >= floor_key;
   uint32_t floor2 = floor_key;
   if (top_p < 1.0f) {
     const unsigned long long w = have ? fixed_mass(v, mx, 1.0f) : 0ull;
-    if (have) cw[t] = w;
-    const unsigned long long z = block_sum_u64(w, sh);  // its barriers publish cw
+    if (t < n) c.cw[t] = w;
+    const unsigned long long z = block_sum_u64(w, sh);  // its barriers publish c.cw
     const unsigned long long target = top_p_target(top_p, z);
-    unsigned long long m = 0;  // mass of the candidates with key >= this one's
+    unsigned long long m = 0;  // mass of the kept candidates with key >= this one's
     if (have)
-      for (int j = 0; j < (int)n; ++j) m += float_key(cv[j]) >= key ? cw[j] : 0ull;
+      for (int j = 0; j < n; ++j) m += float_key(c.cv[j]) >= key ? c.cw[j] : 0ull;
     if (t == 0) sh.sel_digit = 0;
     __syncthreads();
     if (have && m >= target) atomicMax(reinterpret_cast<unsigned*>(&sh.sel_digit), key);
@@ -361,7 +408,38 @@ __device__ bool sample_compact(int32_t* out_token, const float* __restrict__ src
   if (t == 0) out_token[0] = sh.max_idx;  // fallback (total > 0 always: the max is kept)
   __syncthreads();
   const unsigned long long pick = draw_pick(counter, seed, total);
-  if (wt > 0 && excl <= pick && pick < excl + wt) out_token[0] = ci[t];
+  if (wt > 0 && excl <= pick && pick < excl + wt) out_token[0] = c.ci[t];
+}
+
+// top-k (0 < k <= kSampleThreads) without the radix passes: the k-th largest of the 1024
+// per-thread maxima is a lower bound L of the k-th largest logit (those k maxima are k
+// distinct logits >= L), so every top-k token has key >= L, and for any distribution worth
+// sampling from only a few more do. The tokens >= L are compacted, their k-th largest key is
+// found by sorting (the top-k threshold the radix select would find, ties kept), and steps 4-6
+// finish on the list. Returns false (block-uniform) when more than kSampleThreads tokens are
+// >= L (a flat distribution); the radix path then runs.
+__device__ bool sample_top_k_fast(int32_t* out_token, const float* __restrict__ src, int V,
+                                  int top_k, float mx, float temperature, float top_p,
+                                  float min_p, uint64_t seed, const int64_t* counter,
+                                  SampleShared& sh) {
+  const CompactSmem c = compact_smem();
+  const int t = threadIdx.x;
+  uint32_t lower = 0, floor_key = 0;
+  if (top_k < V) {
+    c.sort[t] = c.tmax[t];
+    bitonic_sort_desc(c.sort);
+    lower = c.sort[top_k - 1];
+    __syncthreads();  // c.sort is rewritten below
+  }
+  const int n = compact_candidates(src, V, lower, c, sh);
+  if (n > kSampleThreads) return false;
+  if (top_k < V) {
+    c.sort[t] = t < n ? float_key(c.cv[t]) : 0u;
+    bitonic_sort_desc(c.sort);
+    floor_key = c.sort[top_k - 1];  // n >= top_k: the k maxima are among the candidates
+    __syncthreads();
+  }
+  finish_compact(out_token, n, floor_key, mx, temperature, top_p, min_p, seed, counter, c, sh);
   return true;
 }
 
@@ -397,23 +475,33 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
   }
 
   // 2. greedy
-  block_argmax(src, V, sh);
+  block_argmax(src, V, sh, compact_smem().tmax);
   const float mx = sh.max_val;
   if (temperature <= 0.f) {
     if (threadIdx.x == 0) out_token[0] = sh.max_idx;
     return;  // uniform over the block
   }
 
-  // 3. top-k
+  // 3. top-k. Up to kSampleThreads (the usual 40): a lower bound from the per-thread maxima,
+  // then steps 4-6 on the few tokens above it (sample_top_k_fast)
+  if (top_k > 0 && top_k <= kSampleThreads &&
+      sample_top_k_fast(out_token, src, V, (int)top_k, mx, temperature, top_p, min_p, seed,
+                        counter, sh))
+    return;  // block-uniform
   uint32_t floor_key = 0;
   if (top_k > 0 && top_k < V)
     floor_key = radix_threshold<false>(src, V, 0u, mx, (unsigned long long)top_k, sh);
 
-  // 3b. at most one survivor per thread left (the usual top-k 40): finish on a compact list
-  if (top_k > 0 && top_k <= kSampleThreads &&
-      sample_compact(out_token, src, V, floor_key, mx, temperature, top_p, min_p, seed,
-                     counter, sh))
-    return;  // block-uniform
+  // 3b. radix top-k left at most one survivor per thread: finish on a compact list
+  if (top_k > 0 && top_k <= kSampleThreads) {
+    const CompactSmem c = compact_smem();
+    const int n = compact_candidates(src, V, floor_key, c, sh);
+    if (n <= kSampleThreads) {
+      finish_compact(out_token, n, floor_key, mx, temperature, top_p, min_p, seed, counter, c,
+                     sh);
+      return;  // block-uniform
+    }
+  }
 
   // 4. top-p over the softmax of the top-k survivors
   if (top_p < 1.0f) {
