@@ -6,6 +6,8 @@
 # usage (the device copy has no .git, so pass the commit from here; carry .whl for the app
 # test's textual wheels):
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD, evaluated here> bash benchmarks/verify_gpu.sh
+# SKIP_HARNESS=1 skips the GEMV harness, AB=0 the PDL-off / fused-norm benches, NCU=1 adds an
+# Nsight Compute pass over the four INT4 GEMVs (benchmarks/ncu_gemv.py).
 set -o pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -27,8 +29,16 @@ t "tests/gpu"; timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/gpu -q --tb=
 [ "${SKIP_HARNESS:-0}" = 1 ] || { t "gemv harness"; GEMV_COMMIT=${NANOQWEN_COMMIT:-unknown} timeout 60 python3 benchmarks/gemv_harness.py --out /tmp/gemv 2>&1 | tail -30; }
 t "bench 7b"; timeout 80 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph,eager 2>&1 | tail -12
 t "bench_step"; (cd benchmarks && timeout 60 python3 bench_step.py 2>&1 | tail -30)
+if [ "${AB:-1}" = 1 ]; then
 t "bench 7b, PDL off"; NANOQWEN_PDL=0 timeout 70 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph 2>&1 | tail -6
 t "bench 7b, norms fused"; NANOQWEN_FUSE_NORM=1 timeout 70 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph 2>&1 | tail -6
+fi
+if [ "${NCU:-0}" = 1 ]; then  # hardware counters of the four INT4 GEMVs (Firecracker machines)
+t "ncu"; timeout 60 ncu --clock-control none --kernel-name regex:gemv_int4 --launch-skip 4 \
+  --launch-count 4 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+  --section MemoryWorkloadAnalysis python3 benchmarks/ncu_gemv.py > "$OUT/ncu_gemv.txt" 2>&1
+grep -E "gemv_int4|DRAM Throughput|Memory Throughput|Achieved Occupancy|Issue Slots|Warp Cycles Per Issued|No Eligible" "$OUT/ncu_gemv.txt" | head -60
+fi
 t "done"
 } 2>&1 | tee "$OUT/verify_log.txt"
 cp /tmp/gemv/gemv_log.txt "$OUT/" 2>/dev/null; ls /tmp/gemv/*.json >/dev/null 2>&1 && cp /tmp/gemv/*.json "$OUT/" 2>/dev/null
