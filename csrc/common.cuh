@@ -40,6 +40,21 @@ inline bool pdl_enabled() {
   return on;
 }
 
+// SM count of the current device (host; cached per device; not a stream operation, so legal
+// while a graph is being captured). Used to size persistent grids.
+inline int num_sms() {
+  static int cache[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  if (dev < 0 || dev >= 64) return 132;
+  if (!cache[dev]) {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 0;
+    cache[dev] = v;
+  }
+  return cache[dev];
+}
+
 // kern<<<grid, block, smem, stream>>>(args...) with the programmatic-stream-serialization
 // attribute (see above); returns the launch's error.
 template <typename... KArgs, typename... Args>

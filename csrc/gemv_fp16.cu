@@ -30,13 +30,6 @@ __device__ __forceinline__ float2 h2f(uint32_t u) {
 // and the logits only after it.
 constexpr int kNormBlocksPerSM = 4;
 
-__device__ __forceinline__ uint4 ld_w_early(const uint4* p) {  // volatile: stays before the wait
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 __device__ __forceinline__ uint32_t h2_bits(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
@@ -62,7 +55,7 @@ __global__ void __launch_bounds__(kThreads) gemv_fp16_kernel(float* __restrict__
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int c = cb + lane + 32 * u;
-        if (c < C) wv[u][r] = ld_w_early(wrow + c);
+        if (c < C) wv[u][r] = ld_weights(wrow + c);
       }
     }
   };
@@ -139,19 +132,6 @@ __global__ void __launch_bounds__(kThreads) gemv_fp16_kernel(float* __restrict__
   }
 }
 
-int num_sms() {  // cached per device; not a stream operation (legal during graph capture)
-  static int cache[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-  if (dev < 0 || dev >= 64) return 132;
-  if (!cache[dev]) {
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 0;
-    cache[dev] = v;
-  }
-  return cache[dev];
-}
-
 constexpr int kMaxSmemBytes = 96 * 1024;  // x of k <= 48000 (the family's largest k is 27648)
 
 template <int R, int U>
@@ -175,7 +155,7 @@ cudaError_t launch_fp16_norm(float* out, const float* hidden, const half* norm_w
   if (smem > kMaxSmemBytes)
     return gemv_fail_("gemv_fp16_norm: k=%d needs %d bytes of shared memory, limit %d", k, smem,
                       kMaxSmemBytes);
-  const int sms = num_sms();
+  const int sms = nanoqwen::num_sms();
   if (sms < 1) return gemv_fail_("gemv_fp16_norm: could not read the SM count of the device");
   const int warps = (n + R - 1) / R;
   int grid = (warps + kWarps - 1) / kWarps;

@@ -474,15 +474,9 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tc_
 // q = hi/16 - 72 (one hfma2, exact); on w and w >> 8 these are the pairs k {0,1}, {2,3}, {4,5},
 // {6,7} of the word (nibble order {0,2,4,6,1,3,5,7}).
 
-// Loads that must not be moved past griddep_wait() by the compiler (volatile asm keeps their
-// order relative to the wait's volatile asm; the common.cuh helper is not volatile).
-__device__ __forceinline__ uint4 ld_w_early(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
+// Scale loads that must not be moved past griddep_wait() by the compiler (volatile asm keeps
+// their order relative to the wait's volatile asm; the weights use common.cuh's ld_weights,
+// volatile for the same reason).
 __device__ __forceinline__ half ld_s_early(const half* p) {
   unsigned short v;
   asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
@@ -654,7 +648,7 @@ __global__ void __launch_bounds__(THREADS, 2) gemv_int4_ps_kernel(const Args a) 
       if (c < C) {
 #pragma unroll
         for (int m = 0; m < NM; ++m) {
-          wv[d][m] = ld_w_early(qb[m] + (size_t)lrow * C + c);
+          wv[d][m] = ld_weights(qb[m] + (size_t)lrow * C + c);
           sv[d][m] = ld_s_early(sb[m] + (size_t)lrow * G + (c >> 2));
         }
       }
@@ -844,28 +838,13 @@ cudaError_t launch_tc(int op, const Args& a, cudaStream_t stream) {
   }
 }
 
-// SM count of the current device (cached per device; not a stream operation, so legal while a
-// graph is being captured)
-int num_sms() {
-  static int cache[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-  if (dev < 0 || dev >= 64) return 132;
-  if (!cache[dev]) {
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 0;
-    cache[dev] = v;
-  }
-  return cache[dev];
-}
-
 template <int THREADS, int LD, int ACC, int OP, bool NORM, int BPS>
 cudaError_t launch_ps_op(const Args& a, cudaStream_t stream) {
   auto kern = gemv_int4_ps_kernel<THREADS, LD, ACC, OP, NORM>;
   static const cudaError_t attr =
       cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemBytes);
   if (attr != cudaSuccess) return attr;
-  const int sms = num_sms();
+  const int sms = nanoqwen::num_sms();
   if (sms < 1) return gemv_fail_("gemv_int4: could not read the SM count of the current device");
   const int grid = a.n < sms * BPS ? a.n : sms * BPS;  // every block owns >= 1 row
   const int smem = ps_smem_bytes(a.k, THREADS / 32, OP == OP_SILU ? 2 : 1);
