@@ -40,9 +40,8 @@ def main() -> None:
     eps = cfg.rms_norm_eps
 
     layers = be.layers
-    H, nh, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-    # the step's normed-x buffer and a q buffer for the unfused attention pair
-    xn = torch.zeros(1, H, dtype=torch.float16, device=be.device)
+    nh, d = cfg.num_attention_heads, cfg.head_dim
+    xn = be._xn  # the step's normed-x buffer; a q buffer for the unfused attention pair:
     q = torch.zeros(1, nh, d, dtype=torch.float16, device=be.device)
     rows = [  # the step's launches (default: norms as their own launches), count per token
         ("embed_gather", 1, lambda i: o.embed_gather(be.hidden, be.embed, be.token_in)),

@@ -77,24 +77,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def attention_decode(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     cos: torch.Tensor, sin: torch.Tensor, page_table: torch.Tensor,
-                     pos: torch.Tensor, n_heads: int,
-                     num_splits: int | None = None) -> torch.Tensor:
-    """The decode step's attention in one launch: qkv fp16 [(nh + 2 nkv) D] of the token at
-    position pos[0] -> fp16 [nh, D]. RoPE on q and k, rotated k and plain v written into slot
-    pos[0] of the pages (as rope_kv_write), then paged_attention over positions 0..pos[0]."""
-    d, nkv = k_cache.shape[3], k_cache.shape[2]
-    if num_splits is None:
-        num_splits = default_num_splits(nkv, page_table.shape[0], qkv.device)
-    ws_acc, ws_ml = attention_workspace(n_heads, d, num_splits, qkv.device)
-    counters = torch.zeros(nkv, dtype=torch.int32, device=qkv.device)
-    out = torch.empty(n_heads, d, dtype=torch.float16, device=qkv.device)
-    _ops().attention_decode(out, ws_acc, ws_ml, counters, qkv, k_cache, v_cache, cos, sin,
-                            page_table, pos)
-    return out
-
-
 def sample_token(logits: torch.Tensor, ctx_tokens: torch.Tensor, pos: torch.Tensor,
                  params_f: torch.Tensor, params_i: torch.Tensor,
                  counter: torch.Tensor) -> torch.Tensor:
@@ -145,33 +127,6 @@ def gemv_fp16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x fp16 [K], w fp16 [N, K] -> fp32 [N]."""
     out = torch.empty(w.shape[0], dtype=torch.float32, device=x.device)
     _ops().gemv_fp16(out, x, w)
-    return out
-
-
-def gemv_int4_norm(hidden: torch.Tensor, norm_w: torch.Tensor, eps: float,
-                   qweight: torch.Tensor, scales: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """hidden fp32 [K] -> fp16 [N] = W rmsnorm(hidden, norm_w) + bias (norm in the prologue)."""
-    y = torch.empty(qweight.shape[0], dtype=torch.float16, device=hidden.device)
-    _ops().gemv_int4_norm(y, hidden, norm_w, float(eps), qweight, scales, bias)
-    return y
-
-
-def gemv_int4_silu_mul_norm(hidden: torch.Tensor, norm_w: torch.Tensor, eps: float,
-                            qw_gate: torch.Tensor, sc_gate: torch.Tensor, qw_up: torch.Tensor,
-                            sc_up: torch.Tensor) -> torch.Tensor:
-    """hidden fp32 [K] -> fp16 [N] = silu(Wg x) * (Wu x), x = rmsnorm(hidden, norm_w)."""
-    out = torch.empty(qw_gate.shape[0], dtype=torch.float16, device=hidden.device)
-    _ops().gemv_int4_silu_mul_norm(out, hidden, norm_w, float(eps), qw_gate, sc_gate, qw_up,
-                                   sc_up)
-    return out
-
-
-def gemv_fp16_norm(hidden: torch.Tensor, norm_w: torch.Tensor, eps: float,
-                   w: torch.Tensor) -> torch.Tensor:
-    """hidden fp32 [K], w fp16 [N, K] -> fp32 [N] = W rmsnorm(hidden, norm_w)."""
-    out = torch.empty(w.shape[0], dtype=torch.float32, device=hidden.device)
-    _ops().gemv_fp16_norm(out, hidden, norm_w, float(eps), w)
     return out
 
 
