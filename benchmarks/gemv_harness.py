@@ -32,6 +32,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -134,6 +135,11 @@ class Lib:
         self.int4_variants = [L.gemv_int4_variant_name(i).decode() for i in range(L.gemv_int4_variant_count())]
         self.fp16_variants = [L.gemv_fp16_variant_name(i).decode() for i in range(L.gemv_fp16_variant_count())]
         self.int4_norm_variants = [i for i in range(len(self.int4_variants)) if L.gemv_int4_variant_supports_norm(i)]
+        self.only = None  # --variants: a regex; checks and timings of other variants are skipped
+
+    def sel(self, names):
+        """(index, name) of the variants in `names` that --variants selects (all without it)."""
+        return [(i, n) for i, n in enumerate(names) if self.only is None or re.search(self.only, n)]
 
     def call(self, name, *args):
         rc = getattr(self.L, name)(*args)
@@ -242,7 +248,7 @@ def check(lib: Lib, quant) -> list[str]:
             x = x.half().cuda()
             ref = w.double() @ x.double()
             refu = wu.double() @ x.double()
-            for v, vname in enumerate(lib.int4_variants):
+            for v, vname in lib.sel(lib.int4_variants):
                 tag = f"{vname} {n}x{k}{' outliers' if outlier else ''}"
                 y = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
                 lib.call("gemv_int4_bench", v, OP_STORE, ptr(y), ptr(x), ptr(qw), ptr(sc), None, None, None, n, k, stream())
@@ -264,7 +270,7 @@ def check(lib: Lib, quant) -> list[str]:
         w = (torch.randn(n, k, device="cuda") * 0.02).half()
         x = torch.randn(k, device="cuda").half()
         ref = w.double() @ x.double()
-        for v, vname in enumerate(lib.fp16_variants):
+        for v, vname in lib.sel(lib.fp16_variants):
             out = torch.full((n,), float("nan"), device="cuda")
             lib.call("gemv_fp16_bench", v, ptr(out), ptr(x), ptr(w), n, k, stream())
             expect(f"gemv_fp16 {vname} {n}x{k}", rel_err(out, ref), TOL_FP16)
@@ -330,8 +336,9 @@ def check(lib: Lib, quant) -> list[str]:
             if torch.isfinite(ref_s.half()).all():  # |x|~3000 can push silu*up past fp16 legitimately
                 expect(f"gemv_int4_silu_mul_norm {tag}", scaled_err(o, ref_s, scale_s), TOL_HALF)
             if (n, k) in ((33, 3584), (643, 18944), (29, 27648)) or (big and n == 4608):
-                for v in lib.int4_norm_variants:
-                    vname = lib.int4_variants[v]
+                for v, vname in lib.sel(lib.int4_variants):
+                    if v not in lib.int4_norm_variants:
+                        continue
                     y = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
                     lib.call("gemv_int4_norm_bench", v, OP_STORE, ptr(y), ptr(hidden), ptr(nw), eps, ptr(qw), ptr(sc), None, None, ptr(bias), n, k, stream())
                     expect(f"norm store {vname} {tag}", scaled_err(y, ref + bias.double(), s_g + (ref + bias.double()).abs()), TOL_HALF)
@@ -345,7 +352,9 @@ def check(lib: Lib, quant) -> list[str]:
         qw, sc, w = rand_int4(quant, n, k, gen)
         x = (torch.randn(k, generator=gen) * 1000).clamp(-3000, 3000).half().cuda()
         ref = w.double() @ x.double()
-        for v in lib.int4_norm_variants:
+        for v, _ in lib.sel(lib.int4_variants):
+            if v not in lib.int4_norm_variants:
+                continue
             h = torch.zeros(n, device="cuda")
             lib.call("gemv_int4_bench", v, OP_RESID, ptr(h), ptr(x), ptr(qw), ptr(sc), None, None, None, n, k, stream())
             expect(f"resid {lib.int4_variants[v]} {n}x{k} |x|~3000", rel_err(h, ref), TOL_F32_INT4)
@@ -354,7 +363,7 @@ def check(lib: Lib, quant) -> list[str]:
         hidden, nw = norm_case(n, k)
         x = norm_x(hidden, nw)
         ref = w.double() @ x.double()
-        for v, vname in enumerate(lib.fp16_variants):
+        for v, vname in lib.sel(lib.fp16_variants):
             out = torch.full((n,), float("nan"), device="cuda")
             lib.call("gemv_fp16_norm_bench", v, ptr(out), ptr(hidden), ptr(nw), eps, ptr(w), n, k, stream())
             # x may differ from norm_x in the last bit of a few elements (see above): 1e-4, not 1e-5
@@ -516,7 +525,7 @@ def bench(lib: Lib, results: dict):
             else:
                 default = lambda i: lib.L.gemv_int4_silu_mul(ptr(out), ptr(x), ptr(qws[2 * i]), ptr(scs[2 * i]), ptr(qws[2 * i + 1]), ptr(scs[2 * i + 1]), n, k, stream())
         log(f"== {name}: {nbytes / 1e6:.2f} MB/launch, {ncopies} copies, graph of {launches} ==")
-        for v, vname in enumerate(variants):
+        for v, vname in lib.sel(variants):
             med, lo, hi = time_graph(mk(v), ncopies, launches)
             gbps = nbytes / (med * 1e-6) / 1e9
             log(f"  {vname:<16} {med:8.2f} us (min {lo:.2f} max {hi:.2f})  {gbps:7.0f} GB/s  {100 * gbps / COPY_GBPS:5.1f}%")
@@ -564,7 +573,8 @@ def bench(lib: Lib, results: dict):
                     s2 = ptr(scs[j + 1]) if nm == 2 else None
                     return lib.L.gemv_int4_norm_bench(v, op, ptr(out), ptr(hidden), ptr(nw), eps, ptr(qws[j]), ptr(scs[j]), q2, s2, ptr(bias), n, k, stream())
                 return f
-            cands = [(lib.int4_variants[v], mkn(v)) for v in lib.int4_norm_variants]
+            cands = [(lib.int4_variants[v], mkn(v)) for v in lib.int4_norm_variants
+                     if lib.only is None or re.search(lib.only, lib.int4_variants[v])]
             if op == OP_STORE:
                 cands.append(("LAUNCHER", lambda i: lib.L.gemv_int4_norm(ptr(out), ptr(hidden), ptr(nw), eps, ptr(qws[i]), ptr(scs[i]), ptr(bias), n, k, stream())))
             else:
@@ -624,6 +634,8 @@ def main():
     ap.add_argument("--bench-only", action="store_true")
     ap.add_argument("--layer-seq-only", action="store_true",
                     help="print the per-layer GEMV chain timing as one JSON line (this process's PDL setting)")
+    ap.add_argument("--variants", default=None, metavar="REGEX",
+                    help="check and time only the kernel variants whose name matches (launchers always)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -631,6 +643,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("gemv_harness: no CUDA device")
     lib = Lib(build())
+    lib.only = args.variants
     if args.layer_seq_only:
         print("LAYER_SEQ " + json.dumps(layer_seq(lib)), flush=True)
         return

@@ -772,6 +772,210 @@ __global__ void __launch_bounds__(256) dequant_int4_kernel(half* w, const uint4*
   }
 }
 
+// ---- v5: tensor-core math on weights streamed into a per-warp shared-memory ring (cp.async) ---
+// Run 6's Nsight Compute reading: v3 (above) is latency-bound -- its weights in flight live in
+// registers, so register-limited occupancy (16 warps/SM) caps the bytes in flight, and 50-68% of
+// warp time waits on global loads. v5 keeps v3's math (16-row tile per block, mma.sync with x as
+// the B operand, fp32 sums, group scale per group in fp32, split-K over the KS warps of a block
+// reduced in shared memory in warp order) but the weights travel global -> shared by cp.async
+// (LDGSTS: nothing held in registers while in flight), through a ring of S stages per warp; a
+// stage is GPS consecutive groups of all 16 rows (x NM matrices). Warp s owns the CONTIGUOUS
+// groups [s*G/KS, (s+1)*G/KS), so each row is read front to back in GPS*64-byte pieces, and the
+// copy lanes cover whole row pieces (a warp-wide copy instruction = 512 contiguous-per-row bytes
+// over 512/(GPS*64) rows) -- the copy layout no longer has to match the mma fragment layout.
+// Bytes in flight per SM = warps x (S-1) stages x stage bytes, bounded by shared memory only.
+// Every lane reads what other lanes copied, so a stage is consumed after cp.async.wait_group
+// (this lane's copies landed) + __syncwarp (everyone's have). Rows of the ring are GPS*64 bytes;
+// for even GPS odd rows swap their 64-byte halves per 128 bytes (chunk index ^ 4) so the mma
+// fragment reads (rows g and g+1 in one quarter-warp phase) hit different banks.
+// PF: cp.async with the .L2::256B prefetch hint (the L2 fetches the 256-byte block around each
+// 16-byte copy: the next stage's bytes of the row are already on their way).
+template <bool PF>
+__device__ __forceinline__ void cp_async16_w(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  if constexpr (PF)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit_w() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_w() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+template <int GPS>
+__device__ __forceinline__ int ring_swz(int col, int row) {
+  return (GPS % 2 == 0) ? (col ^ ((row & 1) << 2)) : col;
+}
+
+constexpr int tca_smem_bytes(int k, int nm, int ks, int s, int gps) {
+  return k * 2 + ks * nm * 16 * 4 + ks * ((k / 128 + ks - 1) / ks) * nm * 8 * 4 +
+         ks * s * nm * 16 * gps * 64;
+}
+
+template <int NM, int KS, int S, int GPS, int DQ, int OP, bool PF>
+__global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca_kernel(const Args a) {
+  static_assert(S >= 2 && (GPS == 1 || GPS == 2 || GPS == 4), "ring shape");
+  // shared memory: x [k/8 uint4] (per group [j][t] transposed, as v3); float red[KS][NM][16];
+  // half2 scales[KS][ceil(G/KS)][NM][8]; ring[KS][S][NM][16 rows][GPS*4 chunks]
+  extern __shared__ uint4 xs[];
+  constexpr int RC = GPS * 4;        // 16-byte chunks per row per stage
+  constexpr int SLOT = NM * 16 * RC; // uint4 per stage
+  constexpr int CPL = 16 * RC / 32;  // copies per lane per matrix per stage
+  const int lane = threadIdx.x & 31, s = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int C = a.k >> 5, G = a.k >> 7;
+  const int row0 = blockIdx.x * 16;
+  const int gb = s * G / KS, cnt = (s + 1) * G / KS - gb;
+  const int maxcnt = (G + KS - 1) / KS;
+  float* red = reinterpret_cast<float*>(xs + (a.k >> 3));
+  half2* ss_all = reinterpret_cast<half2*>(red + KS * NM * 16);
+  half2* ss = ss_all + s * maxcnt * NM * 8;
+  uint4* ring = reinterpret_cast<uint4*>(ss_all + KS * maxcnt * NM * 8) + s * S * SLOT;
+  const int nst = (cnt + GPS - 1) / GPS;
+
+  // this lane's copies: chunk c = lane + 32 i of a stage is row c / RC, column c % RC; offsets in
+  // uint4 of the warp's first stage (rows past n re-read row n-1; their sums are never stored)
+  int goff[CPL], soff[CPL], gcol[CPL];
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = lane + 32 * i, r = c / RC, col = c % RC;
+    goff[i] = min(row0 + r, a.n - 1) * C + gb * 4 + col;
+    soff[i] = r * RC + ring_swz<GPS>(col, r);
+    gcol[i] = col / 4;
+  }
+  auto issue = [&](int st) {
+    if (st < nst) {
+      uint4* dst = ring + (st % S) * SLOT;
+#pragma unroll
+      for (int m = 0; m < NM; ++m) {
+        const uint4* src = reinterpret_cast<const uint4*>(m ? a.qw2 : a.qw) + st * RC;
+#pragma unroll
+        for (int i = 0; i < CPL; ++i)
+          if (st * GPS + gcol[i] < cnt) cp_async16_w<PF>(dst + m * 16 * RC + soff[i], src + goff[i]);
+      }
+    }
+    cp_async_commit_w();  // always: keeps the group count uniform for wait_group below
+  };
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) issue(st);
+  // scales, as half2 (row g, row g+8) per (group, matrix, g): weights, so before the wait (PDL)
+  for (int e = lane; e < cnt * NM * 8; e += 32) {
+    const int i = e / (NM * 8), m = (e / 8) % NM, gg = e % 8;
+    const half* scm = m ? a.sc2 : a.sc;
+    const size_t rlo = (size_t)min(row0 + gg, a.n - 1), rhi = (size_t)min(row0 + gg + 8, a.n - 1);
+    ss[e] = __halves2half2(ld_s_early(scm + rlo * G + gb + i), ld_s_early(scm + rhi * G + gb + i));
+  }
+  nanoqwen::griddep_wait();  // PDL: x and the output only after the wait (common.cuh)
+  nanoqwen::griddep_launch_dependents();
+  {  // stage this warp's x exactly as v3 does (DQ_CORR: words reordered to (x01, x45, x23, x67))
+    const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
+    const int p = lane & 15;
+    for (int i = lane >> 4; i < cnt; i += 2) {
+      const int gi = gb + i;
+      uint4 v = __ldg(x4 + gi * 16 + p);
+      if constexpr (DQ == DQ_CORR) v = make_uint4(v.x, v.z, v.y, v.w);
+      xs[gi * 16 + (p & 3) * 4 + (p >> 2)] = v;
+    }
+  }
+
+  float acc[NM][2];
+#pragma unroll
+  for (int m = 0; m < NM; ++m) acc[m][0] = acc[m][1] = 0.f;
+  const uint32_t kLo = 0x64006400u;
+  for (int st = 0; st < nst; ++st) {
+    cp_async_wait_w<S - 2>();  // this lane's copies of stage st have landed
+    __syncwarp();              // ... and every lane's; stage st-1's slot is no longer read
+    issue(st + S - 1);
+    const uint4* slot = ring + (st % S) * SLOT;
+#pragma unroll
+    for (int jj = 0; jj < GPS; ++jj) {
+      const int i = st * GPS + jj;
+      if (i < cnt) {
+        const int gi = gb + i;
+        uint4 xv[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) xv[j] = xs[gi * 16 + j * 4 + t];
+        float kc = 0.f;
+        if constexpr (DQ == DQ_CORR) {
+          const uint32_t nlo = 0xE408E408u;  // half2(-1032, -1032)
+          float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            mma16816(c0, nlo, nlo, nlo, nlo, xv[j].x, xv[j].y);
+            mma16816(c1, nlo, nlo, nlo, nlo, xv[j].z, xv[j].w);
+          }
+          kc = fmaf(c1[0], 72.f / 1032.f, c0[0]);
+        }
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+          const uint4 va = slot[(m * 16 + g) * RC + ring_swz<GPS>(4 * jj + t, g)];
+          const uint4 vb = slot[(m * 16 + g + 8) * RC + ring_swz<GPS>(4 * jj + t, g + 8)];
+          float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+          const uint32_t wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t a8 = wa[j] >> 8, b8 = wb[j] >> 8;
+            uint32_t alo0 = lop3_and_or(wa[j], 0x000F000Fu, kLo), ahi0 = lop3_and_or(wa[j], 0x00F000F0u, kLo);
+            uint32_t alo1 = lop3_and_or(a8, 0x000F000Fu, kLo), ahi1 = lop3_and_or(a8, 0x00F000F0u, kLo);
+            uint32_t blo0 = lop3_and_or(wb[j], 0x000F000Fu, kLo), bhi0 = lop3_and_or(wb[j], 0x00F000F0u, kLo);
+            uint32_t blo1 = lop3_and_or(b8, 0x000F000Fu, kLo), bhi1 = lop3_and_or(b8, 0x00F000F0u, kLo);
+            if constexpr (DQ == DQ_CORR) {
+              mma16816(d0, alo0, blo0, alo1, blo1, xv[j].x, xv[j].y);
+              mma16816(d1, ahi0, bhi0, ahi1, bhi1, xv[j].z, xv[j].w);
+            } else {
+              const half2 k1032 = as_h2(0x64086408u), k16 = as_h2(0x2C002C00u), k72 = as_h2(0xD480D480u);
+              auto lo = [&](uint32_t v) { const half2 q = __hsub2(as_h2(v), k1032); return *reinterpret_cast<const uint32_t*>(&q); };
+              auto hi = [&](uint32_t v) { const half2 q = __hfma2(as_h2(v), k16, k72); return *reinterpret_cast<const uint32_t*>(&q); };
+              mma16816(d0, lo(alo0), lo(blo0), hi(ahi0), hi(bhi0), xv[j].x, xv[j].y);
+              mma16816(d1, lo(alo1), lo(blo1), hi(ahi1), hi(bhi1), xv[j].z, xv[j].w);
+            }
+          }
+          const float f1 = DQ == DQ_CORR ? 0.0625f : 1.f;
+          const float2 sc2 = __half22float2(ss[(i * NM + m) * 8 + g]);
+          acc[m][0] = fmaf(sc2.x, fmaf(d1[0], f1, d0[0]) + kc, acc[m][0]);
+          acc[m][1] = fmaf(sc2.y, fmaf(d1[2], f1, d0[2]) + kc, acc[m][1]);
+        }
+      }
+    }
+  }
+  cp_async_wait_w<0>();  // only empty groups are left; drain anyway before the block exits
+
+  // split-K: partial sums of the KS warps meet in shared memory, summed in warp order
+  if (t == 0) {
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      red[(s * NM + m) * 16 + g] = acc[m][0];
+      red[(s * NM + m) * 16 + g + 8] = acc[m][1];
+    }
+  }
+  __syncthreads();
+  const int tid = threadIdx.x;
+  if (tid < 16) {
+    const int row = row0 + tid;
+    if (row < a.n) {
+      float v[NM];
+#pragma unroll
+      for (int m = 0; m < NM; ++m) {
+        v[m] = 0.f;
+#pragma unroll
+        for (int w = 0; w < KS; ++w) v[m] += red[(w * NM + m) * 16 + tid];
+      }
+      if constexpr (OP == OP_STORE) {
+        float y = v[0];
+        if (a.bias) y += __half2float(a.bias[row]);
+        static_cast<half*>(a.out)[row] = __float2half_rn(y);
+      } else if constexpr (OP == OP_RESID) {
+        static_cast<float*>(a.out)[row] += v[0];
+      } else {
+        const float gt = v[0], up = v[NM - 1];
+        static_cast<half*>(a.out)[row] = __float2half_rn(gt / (1.f + __expf(-gt)) * up);
+      }
+    }
+  }
+}
+
 // ---- variants ---------------------------------------------------------------------------------
 // x staged in shared memory needs k*2 bytes; the family's largest k (27648) needs 54 KB.
 constexpr int kMaxSmemBytes = 96 * 1024;
@@ -875,6 +1079,33 @@ cudaError_t launch_ps(int op, const Args& a, cudaStream_t stream) {
   }
 }
 
+// v5 needs more than kMaxSmemBytes (x + the rings): up to the sm_90 per-block limit
+constexpr int kTcaMaxSmemBytes = 227 * 1024;
+
+template <int NM, int KS, int S, int GPS, int DQ, int OP, bool PF>
+cudaError_t launch_tca_op(const Args& a, cudaStream_t stream) {
+  auto kern = gemv_int4_tca_kernel<NM, KS, S, GPS, DQ, OP, PF>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kTcaMaxSmemBytes);
+  if (attr != cudaSuccess) return attr;
+  const int smem = tca_smem_bytes(a.k, NM, KS, S, GPS);
+  return nanoqwen::launch_pdl(kern, dim3((a.n + 15) / 16), dim3(KS * 32), smem, stream, a);
+}
+
+template <int KS, int S, int GPS, int DQ, bool PF>
+cudaError_t launch_tca(int op, const Args& a, cudaStream_t stream) {
+  if (a.hidden) return gemv_fail_("gemv_int4: this variant has no fused RMSNorm (only ps_* do)");
+  // x + rings beyond the per-block shared-memory limit (no Qwen2.5 shape): v2 with x from L1
+  if (tca_smem_bytes(a.k, op == OP_SILU ? 2 : 1, KS, S, GPS) > kTcaMaxSmemBytes)
+    return launch_int4<1, 2, ACC_H16W, false>(op, a, stream);
+  switch (op) {
+    case OP_STORE: return launch_tca_op<1, KS, S, GPS, DQ, OP_STORE, PF>(a, stream);
+    case OP_RESID: return launch_tca_op<1, KS, S, GPS, DQ, OP_RESID, PF>(a, stream);
+    case OP_SILU: return launch_tca_op<2, KS, S, GPS, DQ, OP_SILU, PF>(a, stream);
+    default: return gemv_fail_("gemv_int4: op=%d is not 0 (store), 1 (residual) or 2 (silu_mul)", op);
+  }
+}
+
 struct Int4Variant {
   const char* name;
   cudaError_t (*launch)(int, const Args&, cudaStream_t);
@@ -906,6 +1137,17 @@ constexpr Int4Variant kInt4Variants[] = {
     // 512 threads at <= 64 registers (half an SM): spills 40-300 bytes (ptxas), kept as a data point
     {"ps_T512_L4_h16", launch_ps<512, 4, ACC_H16W, 1>},
     {"ps_T256_L8_h16_B2", launch_ps<256, 8, ACC_H16W, 2>},
+    // v5: v3's math, weights through a per-warp cp.async shared-memory ring;
+    // tca_<dequant>_K<warps splitting K>_S<ring stages>_G<groups per stage>[_pf: L2::256B hint]
+    {"tca_exact_K8_S4_G2", launch_tca<8, 4, 2, DQ_EXACT, false>},
+    {"tca_exact_K8_S4_G2_pf", launch_tca<8, 4, 2, DQ_EXACT, true>},
+    {"tca_exact_K8_S3_G4", launch_tca<8, 3, 4, DQ_EXACT, false>},
+    {"tca_exact_K4_S4_G2", launch_tca<4, 4, 2, DQ_EXACT, false>},
+    {"tca_exact_K4_S6_G1", launch_tca<4, 6, 1, DQ_EXACT, false>},
+    {"tca_exact_K2_S4_G2", launch_tca<2, 4, 2, DQ_EXACT, false>},
+    {"tca_exact_K2_S4_G2_pf", launch_tca<2, 4, 2, DQ_EXACT, true>},
+    {"tca_corr_K4_S4_G2", launch_tca<4, 4, 2, DQ_CORR, false>},
+    {"tca_exact_K16_S3_G1", launch_tca<16, 3, 1, DQ_EXACT, false>},
 };
 constexpr int kNumInt4Variants = sizeof(kInt4Variants) / sizeof(kInt4Variants[0]);
 
