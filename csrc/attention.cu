@@ -258,6 +258,7 @@ constexpr int kDecWarps = 4;
 constexpr int kDecThreads = kDecWarps * 32;
 constexpr int kDecStages = 4;       // K/V pages in the shared-memory ring (3 in flight)
 constexpr int kDecMinPpsDefault = 2;
+constexpr int kDecMinPpsMax = 8192;  // 131072 tokens; engine/switches.py has the same bounds
 constexpr float kNegBig = -1e30f;   // finite "minus infinity" for running maxima
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -600,12 +601,24 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
   if (tid == 0) counters[kvh] = 0;  // every active block of this kv head has counted
 }
 
-// NANOQWEN_ATTN_MIN_PPS=n overrides the minimum pages per split (benchmark sweeps; read at
-// every launch, which costs ~0.1 us of host time and nothing under a captured graph).
+// NANOQWEN_ATTN_MIN_PPS=n overrides the minimum pages per split (benchmark sweeps). Read once
+// per process, like NANOQWEN_PDL, so setting it after the first launch changes nothing. n is
+// 1..kDecMinPpsMax in ASCII decimal digits (leading zeros allowed); anything else means the
+// default: engine/switches.py rejects it with a message before the kernels load, and the bound
+// keeps split * pps inside int.
 static int decode_min_pps() {
-  const char* e = getenv("NANOQWEN_ATTN_MIN_PPS");
-  const int v = e ? atoi(e) : 0;
-  return v >= 1 ? v : kDecMinPpsDefault;
+  static const int v = [] {
+    const char* e = getenv("NANOQWEN_ATTN_MIN_PPS");
+    if (!e || !*e) return kDecMinPpsDefault;
+    int n = 0;
+    for (const char* c = e; *c; ++c) {
+      if (*c < '0' || *c > '9') return kDecMinPpsDefault;
+      n = n * 10 + (*c - '0');
+      if (n > kDecMinPpsMax) return kDecMinPpsDefault;  // before n * 10 could overflow
+    }
+    return n >= 1 ? n : kDecMinPpsDefault;
+  }();
+  return v;
 }
 
 cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* counters,

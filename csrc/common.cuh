@@ -26,7 +26,9 @@ namespace nanoqwen {
 //   3. A kernel launched without the attribute (PDL off, or a non-PDL predecessor such as a
 //      cuBLAS call) sees both instructions as no-ops / immediate returns.
 // NANOQWEN_PDL=0 in the environment turns the attribute off (for A/B measurements); the
-// kernels are then ordinary stream-ordered launches.
+// kernels are then ordinary stream-ordered launches. Read once per process; only exactly "0"
+// means off, anything else the default (on): engine/switches.py rejects values other than
+// "", "0" and "1" before the kernels load, so a user never meets that fallback.
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void griddep_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -35,7 +37,7 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 inline bool pdl_enabled() {
   static const bool on = [] {
     const char* e = getenv("NANOQWEN_PDL");
-    return !(e && e[0] == '0');
+    return !(e && e[0] == '0' && e[1] == '\0');
   }();
   return on;
 }

@@ -33,6 +33,7 @@ from ..build import load_extension
 from ..config import KV_PAGE_SIZE, ModelConfig
 from ..errors import NanoqwenError
 from ..kv_cache import KVCache
+from ..switches import read_switches
 from .base import Backend, ModelFileTensors, StepEvent
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -120,6 +121,9 @@ class CudaBackend(Backend):
                  max_context: int | None = None, mode: str = "graph",
                  device: str | torch.device | None = None, prefill_weights: str = "auto",
                  progress: Callable[[int, int], None] | None = None) -> None:
+        # the measurement switches first: a bad value is a SwitchError (a user error) here,
+        # not a default silently measured by the kernels, which read the same variables
+        self.switches = read_switches()
         load_extension()  # BackendUnavailable with the reason when it cannot build/run
         if max_context is None:
             max_context = config.max_position_embeddings
@@ -316,7 +320,7 @@ class CudaBackend(Backend):
         self.ws_ml = torch.zeros(c.num_attention_heads, self.num_splits, 2,
                                  dtype=torch.float32, device=dev)
         # NANOQWEN_FUSE_NORM=1: norms inside the GEMV prologues (an A/B switch, see _launch_step)
-        self._fuse_norm = os.environ.get("NANOQWEN_FUSE_NORM", "0") == "1"
+        self._fuse_norm = self.switches.fuse_norm
         self._xn = torch.zeros(1, c.hidden_size, dtype=torch.float16, device=dev)
         # attention_decode's per-kv-head "last split merges" counters; it leaves them zero
         self.attn_counters = torch.zeros(c.num_key_value_heads, dtype=torch.int32, device=dev)

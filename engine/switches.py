@@ -1,0 +1,78 @@
+"""The measurement switches: environment variables that change how the CUDA engine runs, for
+A/B measurements (README, "measurement switches"; the numbers are in benchmarks/RESULTS.md).
+
+    NANOQWEN_PDL=0|1           programmatic dependent launch, default 1 (on)    csrc/common.cuh
+    NANOQWEN_FUSE_NORM=0|1     RMSNorm inside the GEMV prologues, default 0      backends/cuda.py
+    NANOQWEN_ATTN_MIN_PPS=n    attention_decode's minimum KV pages per split,    csrc/attention.cu
+                               n = 1..8192 in decimal digits, default 2
+
+Unset or empty means the default; any other value raises SwitchError naming the variable, the
+value and what is allowed, because a typo that silently measured the default would be a wrong
+result, not a crash. The CUDA backend calls read_switches() before it builds or loads the
+kernels. The C++ side reads NANOQWEN_PDL and NANOQWEN_ATTN_MIN_PPS itself, once per process,
+with the same rules, and takes a malformed value as the default (it cannot raise): this check
+is what a user sees. The C++ constants are kDecMinPpsDefault / kDecMinPpsMax in attention.cu;
+tests/test_switches.py keeps the two sides equal.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .errors import NanoqwenError
+
+PDL = "NANOQWEN_PDL"
+FUSE_NORM = "NANOQWEN_FUSE_NORM"
+ATTN_MIN_PPS = "NANOQWEN_ATTN_MIN_PPS"
+
+ATTN_MIN_PPS_DEFAULT = 2
+# 8192 pages = 131072 tokens, 4x the Qwen2.5-Coder context: a value at or above a context's page
+# count already means one split per kv head, so larger ones change nothing, and the bound keeps
+# the kernel's int page arithmetic (split * pages_per_split) far from overflow.
+ATTN_MIN_PPS_MAX = 8192
+
+
+class SwitchError(NanoqwenError, ValueError):
+    """A measurement switch with a value it does not accept (a user error: the CLI prints it,
+    the app shows it; a ValueError too, as any bad argument value)."""
+
+
+@dataclass(frozen=True)
+class Switches:
+    pdl: bool = True            # NANOQWEN_PDL
+    fuse_norm: bool = False     # NANOQWEN_FUSE_NORM
+    attn_min_pps: int = ATTN_MIN_PPS_DEFAULT  # NANOQWEN_ATTN_MIN_PPS
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    v = env.get(name, "")
+    if v == "":
+        return default
+    if v not in ("0", "1"):
+        raise SwitchError(f"{name}={v!r} is not allowed: use 0 or 1, or leave it unset "
+                          f"(default {int(default)})")
+    return v == "1"
+
+
+def _min_pps(env: Mapping[str, str]) -> int:
+    v = env.get(ATTN_MIN_PPS, "")
+    if v == "":
+        return ATTN_MIN_PPS_DEFAULT
+    # ASCII digits only (no sign, space, '_' or other Unicode digits, all of which int() takes),
+    # leading zeros allowed: exactly what the C++ reader in attention.cu accepts. The pattern
+    # bounds the length, so int() never sees a huge string.
+    if not re.fullmatch(r"0*[1-9][0-9]{0,3}", v) or int(v.lstrip("0")) > ATTN_MIN_PPS_MAX:
+        raise SwitchError(f"{ATTN_MIN_PPS}={v!r} is not allowed: use a whole number of KV pages "
+                          f"per split from 1 to {ATTN_MIN_PPS_MAX}, or leave it unset "
+                          f"(default {ATTN_MIN_PPS_DEFAULT})")
+    return int(v.lstrip("0"))
+
+
+def read_switches(env: Mapping[str, str] | None = None) -> Switches:
+    """The three switches from `env` (default os.environ), validated; raises SwitchError."""
+    env = os.environ if env is None else env
+    return Switches(pdl=_flag(env, PDL, True), fuse_norm=_flag(env, FUSE_NORM, False),
+                    attn_min_pps=_min_pps(env))

@@ -1,0 +1,187 @@
+"""The measurement switches (engine/switches.py): every accepted and rejected form of
+NANOQWEN_PDL, NANOQWEN_FUSE_NORM and NANOQWEN_ATTN_MIN_PPS, the C++ readers' constants, and a bad
+value reaching the user as a message (CUDA backend init, loader, CLI, app) instead of a
+traceback or a silent fallback. CPU only: where a path needs CUDA, torch.cuda.is_available is
+patched to True and the check fires before anything touches the device."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import pytest
+import torch
+
+from nanoqwen import REPO_ROOT
+from nanoqwen.engine import loader
+from nanoqwen.engine.cli import main
+from nanoqwen.engine.errors import BackendUnavailable, NanoqwenError
+from nanoqwen.engine.switches import (ATTN_MIN_PPS, ATTN_MIN_PPS_DEFAULT, ATTN_MIN_PPS_MAX,
+                                      FUSE_NORM, PDL, SwitchError, Switches, read_switches)
+
+FLAGS = [(PDL, "pdl", True), (FUSE_NORM, "fuse_norm", False)]  # (variable, field, default)
+ALL = (PDL, FUSE_NORM, ATTN_MIN_PPS)
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """os.environ without any switch; returns a setter."""
+    for name in ALL:
+        monkeypatch.delenv(name, raising=False)
+    return lambda name, value: monkeypatch.setenv(name, value)
+
+
+def test_defaults_when_unset_or_empty(env):
+    assert read_switches() == Switches(pdl=True, fuse_norm=False, attn_min_pps=2)
+    for name in ALL:
+        env(name, "")
+    assert read_switches() == Switches()
+    assert read_switches({}) == Switches()  # an explicit mapping instead of os.environ
+
+
+@pytest.mark.parametrize("name,field,default", FLAGS)
+@pytest.mark.parametrize("value,expected", [("0", False), ("1", True)])
+def test_flags_accept_0_and_1(env, name, field, default, value, expected):
+    env(name, value)
+    assert getattr(read_switches(), field) is expected
+
+
+@pytest.mark.parametrize("name,field,default", FLAGS)
+@pytest.mark.parametrize("value", ["2", "-1", "00", "01", "10", " 1", "1 ", "0\n", "true",
+                                   "false", "on", "off", "yes", "no", "x", "١"])
+def test_flags_reject_anything_else(env, name, field, default, value):
+    env(name, value)
+    with pytest.raises(SwitchError) as ei:
+        read_switches()
+    msg = str(ei.value)
+    assert name in msg and repr(value) in msg
+    assert "use 0 or 1" in msg and f"default {int(default)}" in msg
+
+
+@pytest.mark.parametrize("value,expected", [("1", 1), ("2", 2), ("3", 3), ("64", 64),
+                                            ("007", 7), ("8192", 8192), ("08192", 8192)])
+def test_min_pps_accepts_1_to_8192(env, value, expected):
+    env(ATTN_MIN_PPS, value)
+    assert read_switches().attn_min_pps == expected
+
+
+@pytest.mark.parametrize("value", ["0", "00", "8193", "9999", "10000", "99999999999", "-1",
+                                   "+3", " 3", "3 ", "3\n", "3.0", "3.5", "1e3", "0x10", "1_0",
+                                   "abc", "٣", "３", "9" * 5000])
+def test_min_pps_rejects_anything_else(env, value):
+    env(ATTN_MIN_PPS, value)
+    with pytest.raises(SwitchError) as ei:
+        read_switches()
+    msg = str(ei.value)
+    assert ATTN_MIN_PPS in msg and repr(value) in msg
+    assert f"from 1 to {ATTN_MIN_PPS_MAX}" in msg and f"default {ATTN_MIN_PPS_DEFAULT}" in msg
+
+
+def test_every_switch_is_checked_with_the_others_valid(env):
+    env(PDL, "0")
+    env(FUSE_NORM, "1")
+    env(ATTN_MIN_PPS, "5")
+    assert read_switches() == Switches(pdl=False, fuse_norm=True, attn_min_pps=5)
+    env(ATTN_MIN_PPS, "0")
+    with pytest.raises(SwitchError, match=ATTN_MIN_PPS):
+        read_switches()
+
+
+def test_switch_error_is_a_user_error_and_a_value_error():
+    # NanoqwenError: the CLI and the app print it; ValueError: a bad value, as callers expect
+    assert issubclass(SwitchError, NanoqwenError) and issubclass(SwitchError, ValueError)
+
+
+def test_cpp_readers_use_the_same_default_and_bounds():
+    """attention.cu and common.cuh read the variables themselves (once per process): their
+    default and bound are the ones validated here, and "0" is PDL's only off value."""
+    attn = (REPO_ROOT / "csrc" / "attention.cu").read_text()
+    assert re.search(r"kDecMinPpsDefault = (\d+);", attn).group(1) == str(ATTN_MIN_PPS_DEFAULT)
+    assert re.search(r"kDecMinPpsMax = (\d+);", attn).group(1) == str(ATTN_MIN_PPS_MAX)
+    assert 'getenv("NANOQWEN_ATTN_MIN_PPS")' in attn
+    common = (REPO_ROOT / "csrc" / "common.cuh").read_text()
+    assert "e[0] == '0' && e[1] == '\\0'" in common
+
+
+# --- where a bad value surfaces ---------------------------------------------------------------
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Pretend a device exists so the loader tries the CUDA backend (whose init must stop at the
+    switches, before touching it) and make the kernel build observable."""
+    from nanoqwen.engine.backends import cuda
+
+    calls = []
+
+    def load_extension():
+        calls.append(1)
+        raise BackendUnavailable("stub: no kernels in this test")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "load_extension", load_extension)
+    return calls
+
+
+def test_cuda_backend_checks_switches_before_loading_kernels(env, fake_cuda, tiny_model_path):
+    from nanoqwen.engine.backends.cuda import CudaBackend
+    from nanoqwen.engine.format import open_model
+
+    with open_model(tiny_model_path) as mf:
+        env(PDL, "2")
+        with pytest.raises(SwitchError, match="NANOQWEN_PDL='2'"):
+            CudaBackend.from_model_file(mf)
+        assert fake_cuda == []                      # the kernels were not built or loaded
+        env(PDL, "0")
+        with pytest.raises(BackendUnavailable, match="stub"):
+            CudaBackend.from_model_file(mf)
+        assert fake_cuda == [1]                     # valid switches: on to the build
+
+
+@pytest.mark.parametrize("backend", ["auto", "cuda"])
+def test_loader_does_not_fall_back_on_a_bad_switch(env, fake_cuda, tiny_model_path, backend):
+    """A bad switch is the user's error, not "CUDA is unavailable": "auto" must not hide it
+    behind the reference backend (which would measure nothing the switch asked for)."""
+    env(FUSE_NORM, "yes")
+    with pytest.raises(SwitchError, match="NANOQWEN_FUSE_NORM='yes'"):
+        loader.load(tiny_model_path, backend=backend)
+    assert fake_cuda == []
+
+
+def test_reference_backend_ignores_the_switches(env, tiny_model_path):
+    env(PDL, "2")  # CUDA-only switches: an explicit reference run neither reads nor needs them
+    eng = loader.load(tiny_model_path, backend="reference")
+    eng.close()
+    assert eng.backend.name == "reference"
+
+
+def test_cli_prints_the_error_without_a_traceback(env, fake_cuda, tiny_model_path, capsys):
+    env(ATTN_MIN_PPS, "0")
+    assert main(["generate", "-m", str(tiny_model_path), "-p", "hi", "-n", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("nanoqwen generate: error: NANOQWEN_ATTN_MIN_PPS='0' is not allowed")
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_app_shows_the_error_on_the_model_screen(env, fake_cuda, tiny_model_path, tmp_path,
+                                                monkeypatch):
+    from nanoqwen.app.main import NanoqwenApp
+    from nanoqwen.app.screens import ModelScreen
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    env(PDL, "off")
+
+    async def run() -> str:
+        app = NanoqwenApp(model=tiny_model_path)
+        async with app.run_test(size=(110, 32)) as pilot:
+            t0 = time.monotonic()
+            while not isinstance(app.screen, ModelScreen):
+                assert time.monotonic() - t0 < 30, "timed out waiting for the error screen"
+                await pilot.pause(0.02)
+            assert app.bridge is None
+            return str(app.screen.query_one("#path-message").render())
+
+    msg = asyncio.run(run())
+    assert "Could not use the model" in msg and "NANOQWEN_PDL='off' is not allowed" in msg
+    assert "SwitchError" not in msg  # a user error, shown as its message alone
