@@ -352,18 +352,37 @@ void advance_step(Tensor& token_in, Tensor& pos, Tensor& ctx_tokens, Tensor& cou
 
 // ---- GEMVs (csrc/gemv.h, the GEMV engineer's launchers) ---------------------------------------
 
-void check_int4(const char* op, const Tensor& x, const Tensor& qweight, const Tensor& scales,
-                int64_t* n_out, int64_t* k_out) {
-  check_arg(op, "x", x, at::kHalf);
-  check_arg(op, "qweight", qweight, at::kInt);
-  check_arg(op, "scales", scales, at::kHalf);
-  check_dims(op, "qweight", qweight, {-1, -1});
+// One INT4 g128 matrix (quant.py's layout): qweight int32 [n, k/8] (8 nibbles a word), scales
+// fp16 [n, k/128]. Sets n and k (k = 8 * qweight's columns, a multiple of the group 128).
+void check_qweight(const char* op, const Tensor& qweight, const Tensor& scales, int64_t* n_out,
+                   int64_t* k_out, const char* qname = "qweight", const char* sname = "scales") {
+  check_arg(op, qname, qweight, at::kInt);
+  check_arg(op, sname, scales, at::kHalf);
+  check_dims(op, qname, qweight, {-1, -1});
   const int64_t n = qweight.size(0), k = qweight.size(1) * 8;
   NQ_CHECK(k % 128 == 0, op, ": k=", k, " is not a multiple of group 128");
-  check_dims(op, "scales", scales, {n, k / 128});
-  NQ_CHECK(x.numel() == k, op, ": x has ", x.numel(), " elements, expected k=", k);
+  check_dims(op, sname, scales, {n, k / 128});
   *n_out = n;
   *k_out = k;
+}
+
+// an INT4 matrix and the fp16 x [k] it multiplies
+void check_int4(const char* op, const Tensor& x, const Tensor& qweight, const Tensor& scales,
+                int64_t* n_out, int64_t* k_out, const char* qname = "qweight",
+                const char* sname = "scales") {
+  check_arg(op, "x", x, at::kHalf);
+  check_qweight(op, qweight, scales, n_out, k_out, qname, sname);
+  NQ_CHECK(x.numel() == *k_out, op, ": x has ", x.numel(), " elements, expected k=", *k_out);
+}
+
+// The optional bias of y = W x + bias: fp16 with n elements on y's device; nullptr when absent.
+const half* opt_bias(const char* op, const c10::optional<Tensor>& bias, const Tensor& y,
+                     int64_t n) {
+  if (!bias.has_value()) return nullptr;
+  check_arg(op, "bias", *bias, at::kHalf);
+  NQ_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, expected n=", n);
+  same_device(op, y, *bias, "bias");
+  return chp(*bias);
 }
 
 const uint32_t* qw(const Tensor& t) { return reinterpret_cast<const uint32_t*>(t.data_ptr()); }
@@ -375,13 +394,7 @@ void gemv_int4(Tensor& y, const Tensor& x, const Tensor& qweight, const Tensor& 
   check_int4(op, x, qweight, scales, &n, &k);
   check_arg(op, "y", y, at::kHalf);
   NQ_CHECK(y.numel() == n, op, ": y has ", y.numel(), " elements, expected n=", n);
-  const half* b = nullptr;
-  if (bias.has_value()) {
-    check_arg(op, "bias", *bias, at::kHalf);
-    NQ_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, expected n=", n);
-    same_device(op, y, *bias, "bias");
-    b = chp(*bias);
-  }
+  const half* b = opt_bias(op, bias, y, n);
   for (const Tensor* t : Ts{&x, &qweight, &scales}) same_device(op, y, *t, "an input");
   const c10::cuda::CUDAGuard g(y.device());
   check_launch(op, ::gemv_int4(hp(y), chp(x), qw(qweight), chp(scales), b, (int)n, (int)k,
@@ -405,8 +418,8 @@ void gemv_int4_silu_mul(Tensor& out, const Tensor& x, const Tensor& qw_gate, con
                         const Tensor& qw_up, const Tensor& sc_up) {
   const char* op = "gemv_int4_silu_mul";
   int64_t n, k, n2, k2;
-  check_int4(op, x, qw_gate, sc_gate, &n, &k);
-  check_int4(op, x, qw_up, sc_up, &n2, &k2);
+  check_int4(op, x, qw_gate, sc_gate, &n, &k, "qw_gate", "sc_gate");
+  check_int4(op, x, qw_up, sc_up, &n2, &k2, "qw_up", "sc_up");
   NQ_CHECK(n == n2, op, ": gate has n=", n, " rows but up has ", n2);
   check_arg(op, "out", out, at::kHalf);
   NQ_CHECK(out.numel() == n, op, ": out has ", out.numel(), " elements, expected n=", n);
@@ -445,22 +458,12 @@ void check_norm(const char* op, const Tensor& hidden, const Tensor& norm_w, doub
 void gemv_int4_norm(Tensor& y, const Tensor& hidden, const Tensor& norm_w, double eps,
                     const Tensor& qweight, const Tensor& scales, const c10::optional<Tensor>& bias) {
   const char* op = "gemv_int4_norm";
-  check_arg(op, "qweight", qweight, at::kInt);
-  check_arg(op, "scales", scales, at::kHalf);
-  check_dims(op, "qweight", qweight, {-1, -1});
-  const int64_t n = qweight.size(0), k = qweight.size(1) * 8;
-  NQ_CHECK(k % 128 == 0, op, ": k=", k, " is not a multiple of group 128");
-  check_dims(op, "scales", scales, {n, k / 128});
+  int64_t n, k;
+  check_qweight(op, qweight, scales, &n, &k);
   check_norm(op, hidden, norm_w, eps, k);
   check_arg(op, "y", y, at::kHalf);
   NQ_CHECK(y.numel() == n, op, ": y has ", y.numel(), " elements, expected n=", n);
-  const half* b = nullptr;
-  if (bias.has_value()) {
-    check_arg(op, "bias", *bias, at::kHalf);
-    NQ_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, expected n=", n);
-    same_device(op, y, *bias, "bias");
-    b = chp(*bias);
-  }
+  const half* b = opt_bias(op, bias, y, n);
   for (const Tensor* t : Ts{&hidden, &norm_w, &qweight, &scales}) same_device(op, y, *t, "an input");
   const c10::cuda::CUDAGuard g(y.device());
   check_launch(op, ::gemv_int4_norm(hp(y), hidden.data_ptr<float>(), chp(norm_w), (float)eps,
@@ -472,14 +475,10 @@ void gemv_int4_silu_mul_norm(Tensor& out, const Tensor& hidden, const Tensor& no
                              const Tensor& qw_gate, const Tensor& sc_gate, const Tensor& qw_up,
                              const Tensor& sc_up) {
   const char* op = "gemv_int4_silu_mul_norm";
-  for (const Tensor* t : Ts{&qw_gate, &qw_up}) check_arg(op, "qweight", *t, at::kInt);
-  for (const Tensor* t : Ts{&sc_gate, &sc_up}) check_arg(op, "scales", *t, at::kHalf);
-  check_dims(op, "qw_gate", qw_gate, {-1, -1});
-  const int64_t n = qw_gate.size(0), k = qw_gate.size(1) * 8;
-  NQ_CHECK(k % 128 == 0, op, ": k=", k, " is not a multiple of group 128");
-  check_dims(op, "qw_up", qw_up, {n, k / 8});
-  check_dims(op, "sc_gate", sc_gate, {n, k / 128});
-  check_dims(op, "sc_up", sc_up, {n, k / 128});
+  int64_t n, k, n2, k2;
+  check_qweight(op, qw_gate, sc_gate, &n, &k, "qw_gate", "sc_gate");
+  check_dims(op, "qw_up", qw_up, {n, k / 8});  // the up matrix has the gate matrix's shape
+  check_qweight(op, qw_up, sc_up, &n2, &k2, "qw_up", "sc_up");
   check_norm(op, hidden, norm_w, eps, k);
   check_arg(op, "out", out, at::kHalf);
   NQ_CHECK(out.numel() == n, op, ": out has ", out.numel(), " elements, expected n=", n);
@@ -511,12 +510,8 @@ void gemv_fp16_norm(Tensor& logits, const Tensor& hidden, const Tensor& norm_w, 
 void dequant_int4(Tensor& w, const Tensor& qweight, const Tensor& scales) {
   const char* op = "dequant_int4";
   check_arg(op, "w", w, at::kHalf);
-  check_arg(op, "qweight", qweight, at::kInt);
-  check_arg(op, "scales", scales, at::kHalf);
-  check_dims(op, "qweight", qweight, {-1, -1});
-  const int64_t n = qweight.size(0), k = qweight.size(1) * 8;
-  NQ_CHECK(k % 128 == 0, op, ": k=", k, " is not a multiple of group 128");
-  check_dims(op, "scales", scales, {n, k / 128});
+  int64_t n, k;
+  check_qweight(op, qweight, scales, &n, &k);
   check_dims(op, "w", w, {n, k});
   same_device(op, w, qweight, "qweight");
   same_device(op, w, scales, "scales");
