@@ -18,10 +18,10 @@
 //   x, qweight, w 16-byte aligned (torch allocations are; a sliced view may not be);
 //   all tensors contiguous, row-major, on the current device.
 // n may be anything >= 1 (no multiple of 8/32 needed): rows past n are never read or written.
-// INT4 accuracy (variants chosen per launcher in gemv_int4.cu from GEMV_NOTES.md's run 5):
-// gemv_int4 (tc_corr), gemv_int4_residual (tc_exact): tensor-core products, fp32 sums, no |x|
-// limit, rel. error ~1e-5 (exact) / ~1e-4 (corr). gemv_int4_silu_mul (v2 smem_R1_U2_h16word):
-// q*x summed four deep in fp16, so |x| must stay below 2339 (65504 / (4*7)); rel. error ~4e-4.
+// INT4 accuracy (variants chosen per launcher in gemv_int4.cu from GEMV_NOTES.md's run 7):
+// gemv_int4, gemv_int4_residual and gemv_int4_silu_mul (v5 tca_exact): exact q times fp16 x on
+// tensor cores, fp32 sums, group scale applied in fp32 -- no |x| limit, rel. error ~1e-6 before
+// the output's rounding.
 // The fused-norm launchers (v4 ps_*): fp16 four-deep sums too, but each block scales x by 2^-e
 // (e >= 0 smallest with max|x| * 2^-e <= 1024; exact for normal results) and the sums back by
 // 2^e, so no finite x overflows; rel. error ~4e-4.

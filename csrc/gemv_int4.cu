@@ -1148,6 +1148,15 @@ constexpr Int4Variant kInt4Variants[] = {
     {"tca_exact_K2_S4_G2_pf", launch_tca<2, 4, 2, DQ_EXACT, true>},
     {"tca_corr_K4_S4_G2", launch_tca<4, 4, 2, DQ_CORR, false>},
     {"tca_exact_K16_S3_G1", launch_tca<16, 3, 1, DQ_EXACT, false>},
+    {"tca_exact_K8_S3_G2", launch_tca<8, 3, 2, DQ_EXACT, false>},
+    {"tca_exact_K8_S4_G1", launch_tca<8, 4, 1, DQ_EXACT, false>},
+    {"tca_exact_K8_S6_G1", launch_tca<8, 6, 1, DQ_EXACT, false>},
+    {"tca_exact_K4_S3_G2", launch_tca<4, 3, 2, DQ_EXACT, false>},
+    {"tca_exact_K2_S6_G1", launch_tca<2, 6, 1, DQ_EXACT, false>},
+    {"tca_exact_K2_S3_G2", launch_tca<2, 3, 2, DQ_EXACT, false>},
+    {"tca_exact_K2_S5_G2", launch_tca<2, 5, 2, DQ_EXACT, false>},
+    {"tca_exact_K1_S4_G2", launch_tca<1, 4, 2, DQ_EXACT, false>},
+    {"tca_exact_K1_S6_G2", launch_tca<1, 6, 2, DQ_EXACT, false>},
 };
 constexpr int kNumInt4Variants = sizeof(kInt4Variants) / sizeof(kInt4Variants[0]);
 
@@ -1168,13 +1177,13 @@ constexpr bool is_ps(int v) {
 // The variant each launcher uses, per op and, for the residual GEMVs, per k (o_proj k = 3584 vs
 // down_proj k = 18944): chosen from the measurements in GEMV_NOTES.md. The fused-norm launchers
 // use the store / silu choices, which must be ps_* variants (the only ones with the norm).
-// Run 4 (H200, commit 9d01e15, graph of back-to-back PDL launches): the v4 ps_* kernels lost to
-// v2/v3 on every plain shape (GEMV_NOTES.md), so the plain launchers stay on the best v2/v3
-// variant; the fused-norm launchers use the fastest ps_* variant (the only kernels with the norm).
-constexpr int kStoreVariant = variant_index("tc_corr_R2_K8_D2");        // qkv 6.15 us (fp32 sums)
-constexpr int kResidSmallKVariant = variant_index("tc_exact_R1_K8_D4");  // o_proj 4.90 us (fp32)
-constexpr int kResidLargeKVariant = variant_index("tc_exact_R1_K8_D4");  // down 16.68 us (fp32)
-constexpr int kSiluVariant = variant_index("smem_R1_U2_h16word");        // gate/up 25.73 us
+// Run 7 (H200, commit 8e0254e, graph of back-to-back PDL launches): the v5 tca_* kernels beat
+// v2/v3 on every INT4 shape, and all four plain launchers now sum in fp32 (no |x| limit). The
+// fused-norm launchers stay on the fastest ps_* variant (the only kernels with the norm).
+constexpr int kStoreVariant = variant_index("tca_exact_K4_S4_G2");       // qkv 4.48 us (v3 6.33)
+constexpr int kResidSmallKVariant = variant_index("tca_exact_K4_S4_G2"); // o_proj 3.99 us (4.81)
+constexpr int kResidLargeKVariant = variant_index("tca_exact_K8_S4_G2"); // down 11.60 us (16.59)
+constexpr int kSiluVariant = variant_index("tca_exact_K2_S4_G2");        // gate/up 19.92 (25.74)
 constexpr int kNormStoreVariant = variant_index("ps_T512_L4_h16");       // qkv+norm 7.35 us
 constexpr int kNormSiluVariant = variant_index("ps_T256_L8_h16_B2");     // gate/up+norm 29.93 us
 static_assert(kStoreVariant >= 0 && kResidSmallKVariant >= 0 && kResidLargeKVariant >= 0 &&
