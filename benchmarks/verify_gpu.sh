@@ -6,7 +6,8 @@
 # usage (the device copy has no .git, so pass the commit from here; carry .whl for the app
 # test's textual wheels):
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD, evaluated here> bash benchmarks/verify_gpu.sh
-# SKIP_HARNESS=1 skips the GEMV harness, AB=0 the PDL-off / fused-norm benches, NCU=1 adds an
+# SKIP_HARNESS=1 skips the GEMV harness (HARNESS_VARIANTS=REGEX limits it to matching variants;
+# the launchers are always checked and timed), AB=0 the PDL-off / fused-norm benches, NCU=1 adds an
 # Nsight Compute pass over the four INT4 GEMVs (benchmarks/ncu_gemv.py).
 set -o pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16
@@ -26,7 +27,7 @@ import time; t=time.time()
 from nanoqwen.engine.build import load_extension, build_dir
 print(load_extension(), build_dir(), f'{time.time()-t:.0f}s')" 2>&1 | tail -30
 t "tests/gpu"; timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -40
-[ "${SKIP_HARNESS:-0}" = 1 ] || { t "gemv harness"; GEMV_COMMIT=${NANOQWEN_COMMIT:-unknown} timeout 60 python3 benchmarks/gemv_harness.py --out /tmp/gemv 2>&1 | tail -30; }
+[ "${SKIP_HARNESS:-0}" = 1 ] || { t "gemv harness (variants: ${HARNESS_VARIANTS:-all})"; GEMV_COMMIT=${NANOQWEN_COMMIT:-unknown} timeout 150 python3 benchmarks/gemv_harness.py --out /tmp/gemv ${HARNESS_VARIANTS:+--variants "$HARNESS_VARIANTS"} 2>&1 | tail -34; }
 t "bench 7b"; timeout 80 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph,eager 2>&1 | tail -12
 t "bench_step"; (cd benchmarks && timeout 60 python3 bench_step.py 2>&1 | tail -30)
 if [ "${AB:-1}" = 1 ]; then

@@ -22,9 +22,9 @@
 // gemv_int4, gemv_int4_residual and gemv_int4_silu_mul (v5 tca_exact): exact q times fp16 x on
 // tensor cores, fp32 sums, group scale applied in fp32 -- no |x| limit, rel. error ~1e-6 before
 // the output's rounding.
-// The fused-norm launchers (v4 ps_*): fp16 four-deep sums too, but each block scales x by 2^-e
-// (e >= 0 smallest with max|x| * 2^-e <= 1024; exact for normal results) and the sums back by
-// 2^e, so no finite x overflows; rel. error ~4e-4.
+// The fused-norm launchers (v5 tca_exact with the norm in the prologue): the same fp32 sums;
+// x is formed per block exactly as the rmsnorm kernel forms it (only the sum of squares is
+// reduced in another order, so x can differ from rmsnorm()'s in the last bit).
 // Determinism: every output is written by one thread after a fixed-order reduction (no atomics),
 // so results are bit-identical run to run, graph or eager.
 // PDL: every GEMV is launched with nanoqwen::launch_pdl and follows common.cuh's rules (weights

@@ -52,7 +52,7 @@ struct Args {
   int n;
   int k;
   // fused RMSNorm (gemv_int4_norm / gemv_int4_silu_mul_norm): x is not read, it is computed per
-  // block from hidden; only the v4 (ps_*) variants support it
+  // block from hidden; only the v4 (ps_*) and v5 (tca_*) variants support it
   const float* hidden = nullptr;
   const half* norm_w = nullptr;
   float eps = 0.f;
@@ -810,15 +810,20 @@ __device__ __forceinline__ int ring_swz(int col, int row) {
 }
 
 constexpr int tca_smem_bytes(int k, int nm, int ks, int s, int gps) {
-  return k * 2 + ks * nm * 16 * 4 + ks * ((k / 128 + ks - 1) / ks) * nm * 8 * 4 +
+  return k * 2 + ks * nm * 16 * 4 + 32 * 4 + ks * ((k / 128 + ks - 1) / ks) * nm * 8 * 4 +
          ks * s * nm * 16 * gps * 64;
 }
 
-template <int NM, int KS, int S, int GPS, int DQ, int OP, bool PF>
+// NORM (gemv_int4_norm / gemv_int4_silu_mul_norm): x = half(norm_w * (hidden * r)), r =
+// rsqrt(mean(hidden^2) + eps), the rmsnorm kernel's formula; every block sums the squares of the
+// whole fp32 hidden itself (k*4 bytes from L2, in parallel with its x loads; same block size and
+// order in every block, so all blocks get the same r) and stages only its warps' groups of x.
+template <int NM, int KS, int S, int GPS, int DQ, int OP, bool PF, bool NORM>
 __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca_kernel(const Args a) {
   static_assert(S >= 2 && (GPS == 1 || GPS == 2 || GPS == 4), "ring shape");
   // shared memory: x [k/8 uint4] (per group [j][t] transposed, as v3); float red[KS][NM][16];
-  // half2 scales[KS][ceil(G/KS)][NM][8]; ring[KS][S][NM][16 rows][GPS*4 chunks]
+  // float scratch[32] (NORM's block sum); half2 scales[KS][ceil(G/KS)][NM][8];
+  // ring[KS][S][NM][16 rows][GPS*4 chunks]
   extern __shared__ uint4 xs[];
   constexpr int RC = GPS * 4;        // 16-byte chunks per row per stage
   constexpr int SLOT = NM * 16 * RC; // uint4 per stage
@@ -830,7 +835,8 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
   const int gb = s * G / KS, cnt = (s + 1) * G / KS - gb;
   const int maxcnt = (G + KS - 1) / KS;
   float* red = reinterpret_cast<float*>(xs + (a.k >> 3));
-  half2* ss_all = reinterpret_cast<half2*>(red + KS * NM * 16);
+  float* scratch = red + KS * NM * 16;
+  half2* ss_all = reinterpret_cast<half2*>(scratch + 32);
   half2* ss = ss_all + s * maxcnt * NM * 8;
   uint4* ring = reinterpret_cast<uint4*>(ss_all + KS * maxcnt * NM * 8) + s * S * SLOT;
   const int nst = (cnt + GPS - 1) / GPS;
@@ -869,12 +875,35 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
   }
   nanoqwen::griddep_wait();  // PDL: x and the output only after the wait (common.cuh)
   nanoqwen::griddep_launch_dependents();
+  float r = 0.f;
+  if constexpr (NORM) {  // all threads (block_sum has block barriers; no warp-id branch here)
+    const float4* h4 = reinterpret_cast<const float4*>(a.hidden);
+    float sq = 0.f;
+    for (int i = threadIdx.x; i < a.k / 4; i += KS * 32) {
+      const float4 v = h4[i];
+      sq += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    r = rsqrtf(nanoqwen::block_sum(sq, scratch) / (float)a.k + a.eps);
+  }
   {  // stage this warp's x exactly as v3 does (DQ_CORR: words reordered to (x01, x45, x23, x67))
     const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
     const int p = lane & 15;
     for (int i = lane >> 4; i < cnt; i += 2) {
       const int gi = gb + i;
-      uint4 v = __ldg(x4 + gi * 16 + p);
+      uint4 v;
+      if constexpr (NORM) {  // piece p of group gi = inputs gi*128 + 8p .. +7
+        const float4* h4 = reinterpret_cast<const float4*>(a.hidden) + gi * 32 + 2 * p;
+        const float4 h0 = h4[0], h1 = h4[1];
+        const uint4 wv = __ldg(reinterpret_cast<const uint4*>(a.norm_w) + gi * 16 + p);
+        const float2 w0 = __half22float2(as_h2(wv.x)), w1 = __half22float2(as_h2(wv.y));
+        const float2 w2 = __half22float2(as_h2(wv.z)), w3 = __half22float2(as_h2(wv.w));
+        v.x = h2_bits(__floats2half2_rn(w0.x * (h0.x * r), w0.y * (h0.y * r)));
+        v.y = h2_bits(__floats2half2_rn(w1.x * (h0.z * r), w1.y * (h0.w * r)));
+        v.z = h2_bits(__floats2half2_rn(w2.x * (h1.x * r), w2.y * (h1.y * r)));
+        v.w = h2_bits(__floats2half2_rn(w3.x * (h1.z * r), w3.y * (h1.w * r)));
+      } else {
+        v = __ldg(x4 + gi * 16 + p);
+      }
       if constexpr (DQ == DQ_CORR) v = make_uint4(v.x, v.z, v.y, v.w);
       xs[gi * 16 + (p & 3) * 4 + (p >> 2)] = v;
     }
@@ -1082,9 +1111,9 @@ cudaError_t launch_ps(int op, const Args& a, cudaStream_t stream) {
 // v5 needs more than kMaxSmemBytes (x + the rings): up to the sm_90 per-block limit
 constexpr int kTcaMaxSmemBytes = 227 * 1024;
 
-template <int NM, int KS, int S, int GPS, int DQ, int OP, bool PF>
+template <int NM, int KS, int S, int GPS, int DQ, int OP, bool PF, bool NORM>
 cudaError_t launch_tca_op(const Args& a, cudaStream_t stream) {
-  auto kern = gemv_int4_tca_kernel<NM, KS, S, GPS, DQ, OP, PF>;
+  auto kern = gemv_int4_tca_kernel<NM, KS, S, GPS, DQ, OP, PF, NORM>;
   static const cudaError_t attr =
       cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kTcaMaxSmemBytes);
   if (attr != cudaSuccess) return attr;
@@ -1094,14 +1123,24 @@ cudaError_t launch_tca_op(const Args& a, cudaStream_t stream) {
 
 template <int KS, int S, int GPS, int DQ, bool PF>
 cudaError_t launch_tca(int op, const Args& a, cudaStream_t stream) {
-  if (a.hidden) return gemv_fail_("gemv_int4: this variant has no fused RMSNorm (only ps_* do)");
-  // x + rings beyond the per-block shared-memory limit (no Qwen2.5 shape): v2 with x from L1
-  if (tca_smem_bytes(a.k, op == OP_SILU ? 2 : 1, KS, S, GPS) > kTcaMaxSmemBytes)
+  const bool norm = a.hidden != nullptr;
+  if (tca_smem_bytes(a.k, op == OP_SILU ? 2 : 1, KS, S, GPS) > kTcaMaxSmemBytes) {
+    // x + rings beyond the per-block shared-memory limit (no Qwen2.5 shape): v2 with x from L1
+    if (norm)
+      return gemv_fail_("gemv_int4 (fused norm): k=%d needs %d bytes of shared memory, limit %d", a.k,
+                        tca_smem_bytes(a.k, op == OP_SILU ? 2 : 1, KS, S, GPS), kTcaMaxSmemBytes);
     return launch_int4<1, 2, ACC_H16W, false>(op, a, stream);
+  }
   switch (op) {
-    case OP_STORE: return launch_tca_op<1, KS, S, GPS, DQ, OP_STORE, PF>(a, stream);
-    case OP_RESID: return launch_tca_op<1, KS, S, GPS, DQ, OP_RESID, PF>(a, stream);
-    case OP_SILU: return launch_tca_op<2, KS, S, GPS, DQ, OP_SILU, PF>(a, stream);
+    case OP_STORE:
+      return norm ? launch_tca_op<1, KS, S, GPS, DQ, OP_STORE, PF, true>(a, stream)
+                  : launch_tca_op<1, KS, S, GPS, DQ, OP_STORE, PF, false>(a, stream);
+    case OP_RESID:
+      if (norm) return gemv_fail_("gemv_int4: the fused norm exists for store and silu_mul only");
+      return launch_tca_op<1, KS, S, GPS, DQ, OP_RESID, PF, false>(a, stream);
+    case OP_SILU:
+      return norm ? launch_tca_op<2, KS, S, GPS, DQ, OP_SILU, PF, true>(a, stream)
+                  : launch_tca_op<2, KS, S, GPS, DQ, OP_SILU, PF, false>(a, stream);
     default: return gemv_fail_("gemv_int4: op=%d is not 0 (store), 1 (residual) or 2 (silu_mul)", op);
   }
 }
@@ -1137,26 +1176,19 @@ constexpr Int4Variant kInt4Variants[] = {
     // 512 threads at <= 64 registers (half an SM): spills 40-300 bytes (ptxas), kept as a data point
     {"ps_T512_L4_h16", launch_ps<512, 4, ACC_H16W, 1>},
     {"ps_T256_L8_h16_B2", launch_ps<256, 8, ACC_H16W, 2>},
-    // v5: v3's math, weights through a per-warp cp.async shared-memory ring;
-    // tca_<dequant>_K<warps splitting K>_S<ring stages>_G<groups per stage>[_pf: L2::256B hint]
+    // v5: v3's math, weights through a per-warp cp.async shared-memory ring (the fused-norm ops
+    // too); tca_<dequant>_K<warps splitting K>_S<ring stages>_G<groups per stage>[_pf: L2::256B
+    // hint]. Shapes measured and dropped (GEMV_NOTES.md runs 7-8): K8_S3_G4, K8_S4_G1, K8_S6_G1,
+    // K16_S3_G1, K2_S6_G1, K2_S5_G2, K1_S4_G2, K1_S6_G2, K2_S4_G2_pf.
     {"tca_exact_K8_S4_G2", launch_tca<8, 4, 2, DQ_EXACT, false>},
+    {"tca_exact_K8_S3_G2", launch_tca<8, 3, 2, DQ_EXACT, false>},
     {"tca_exact_K8_S4_G2_pf", launch_tca<8, 4, 2, DQ_EXACT, true>},
-    {"tca_exact_K8_S3_G4", launch_tca<8, 3, 4, DQ_EXACT, false>},
     {"tca_exact_K4_S4_G2", launch_tca<4, 4, 2, DQ_EXACT, false>},
+    {"tca_exact_K4_S3_G2", launch_tca<4, 3, 2, DQ_EXACT, false>},
     {"tca_exact_K4_S6_G1", launch_tca<4, 6, 1, DQ_EXACT, false>},
     {"tca_exact_K2_S4_G2", launch_tca<2, 4, 2, DQ_EXACT, false>},
-    {"tca_exact_K2_S4_G2_pf", launch_tca<2, 4, 2, DQ_EXACT, true>},
-    {"tca_corr_K4_S4_G2", launch_tca<4, 4, 2, DQ_CORR, false>},
-    {"tca_exact_K16_S3_G1", launch_tca<16, 3, 1, DQ_EXACT, false>},
-    {"tca_exact_K8_S3_G2", launch_tca<8, 3, 2, DQ_EXACT, false>},
-    {"tca_exact_K8_S4_G1", launch_tca<8, 4, 1, DQ_EXACT, false>},
-    {"tca_exact_K8_S6_G1", launch_tca<8, 6, 1, DQ_EXACT, false>},
-    {"tca_exact_K4_S3_G2", launch_tca<4, 3, 2, DQ_EXACT, false>},
-    {"tca_exact_K2_S6_G1", launch_tca<2, 6, 1, DQ_EXACT, false>},
     {"tca_exact_K2_S3_G2", launch_tca<2, 3, 2, DQ_EXACT, false>},
-    {"tca_exact_K2_S5_G2", launch_tca<2, 5, 2, DQ_EXACT, false>},
-    {"tca_exact_K1_S4_G2", launch_tca<1, 4, 2, DQ_EXACT, false>},
-    {"tca_exact_K1_S6_G2", launch_tca<1, 6, 2, DQ_EXACT, false>},
+    {"tca_corr_K4_S4_G2", launch_tca<4, 4, 2, DQ_CORR, false>},
 };
 constexpr int kNumInt4Variants = sizeof(kInt4Variants) / sizeof(kInt4Variants[0]);
 
@@ -1169,9 +1201,9 @@ constexpr int variant_index(const char* name) {
     if (same_name(kInt4Variants[i].name, name)) return i;
   return -1;
 }
-constexpr bool is_ps(int v) {
+constexpr bool has_norm(int v) {  // ps_* and tca_* have the fused RMSNorm
   const char* n = kInt4Variants[v].name;
-  return n[0] == 'p' && n[1] == 's' && n[2] == '_';
+  return (n[0] == 'p' && n[1] == 's' && n[2] == '_') || (n[0] == 't' && n[1] == 'c' && n[2] == 'a');
 }
 
 // The variant each launcher uses, per op and, for the residual GEMVs, per k (o_proj k = 3584 vs
@@ -1179,17 +1211,18 @@ constexpr bool is_ps(int v) {
 // use the store / silu choices, which must be ps_* variants (the only ones with the norm).
 // Run 7 (H200, commit 8e0254e, graph of back-to-back PDL launches): the v5 tca_* kernels beat
 // v2/v3 on every INT4 shape, and all four plain launchers now sum in fp32 (no |x| limit). The
-// fused-norm launchers stay on the fastest ps_* variant (the only kernels with the norm).
+// fused-norm launchers use the same tca shapes with the norm in the prologue (not yet measured).
 constexpr int kStoreVariant = variant_index("tca_exact_K4_S4_G2");       // qkv 4.48 us (v3 6.33)
 constexpr int kResidSmallKVariant = variant_index("tca_exact_K4_S4_G2"); // o_proj 3.99 us (4.81)
 constexpr int kResidLargeKVariant = variant_index("tca_exact_K8_S4_G2"); // down 11.60 us (16.59)
 constexpr int kSiluVariant = variant_index("tca_exact_K2_S4_G2");        // gate/up 19.92 (25.74)
-constexpr int kNormStoreVariant = variant_index("ps_T512_L4_h16");       // qkv+norm 7.35 us
-constexpr int kNormSiluVariant = variant_index("ps_T256_L8_h16_B2");     // gate/up+norm 29.93 us
+constexpr int kNormStoreVariant = variant_index("tca_exact_K4_S4_G2");   // qkv+norm (ps: 7.45 us)
+constexpr int kNormSiluVariant = variant_index("tca_exact_K2_S4_G2");    // gate/up+norm (ps: 30.46)
 static_assert(kStoreVariant >= 0 && kResidSmallKVariant >= 0 && kResidLargeKVariant >= 0 &&
                   kSiluVariant >= 0 && kNormStoreVariant >= 0 && kNormSiluVariant >= 0,
               "launcher variant name not in kInt4Variants");
-static_assert(is_ps(kNormStoreVariant) && is_ps(kNormSiluVariant), "the fused norm needs ps_*");
+static_assert(has_norm(kNormStoreVariant) && has_norm(kNormSiluVariant),
+              "the fused norm needs a ps_* or tca_* variant");
 int launcher_variant(int op, int k) {
   if (op == OP_STORE) return kStoreVariant;
   if (op == OP_RESID) return k <= 8192 ? kResidSmallKVariant : kResidLargeKVariant;
@@ -1343,7 +1376,7 @@ cudaError_t gemv_int4_norm_bench(int variant, int op, void* out, const float* hi
 }
 
 int gemv_int4_variant_supports_norm(int variant) {
-  return variant >= 0 && variant < kNumInt4Variants && is_ps(variant);
+  return variant >= 0 && variant < kNumInt4Variants && has_norm(variant);
 }
 
 static thread_local char g_gemv_msg[512];
