@@ -809,8 +809,8 @@ __device__ __forceinline__ int ring_swz(int col, int row) {
   return (GPS % 2 == 0) ? (col ^ ((row & 1) << 2)) : col;
 }
 
-constexpr int tca_smem_bytes(int k, int nm, int ks, int s, int gps) {
-  return k * 2 + ks * nm * 16 * 4 + 32 * 4 + ks * ((k / 128 + ks - 1) / ks) * nm * 8 * 4 +
+constexpr int tca_smem_bytes(int k, int nm, int ks, int s, int gps, bool xg) {
+  return (xg ? 0 : k * 2) + ks * nm * 16 * 4 + 32 * 4 + ks * ((k / 128 + ks - 1) / ks) * nm * 8 * 4 +
          ks * s * nm * 16 * gps * 64;
 }
 
@@ -818,10 +818,14 @@ constexpr int tca_smem_bytes(int k, int nm, int ks, int s, int gps) {
 // rsqrt(mean(hidden^2) + eps), the rmsnorm kernel's formula; every block sums the squares of the
 // whole fp32 hidden itself (k*4 bytes from L2, in parallel with its x loads; same block size and
 // order in every block, so all blocks get the same r) and stages only its warps' groups of x.
-template <int NM, int KS, int S, int GPS, int DQ, int OP, bool PF, bool NORM>
+// XG: x is not staged; the mma loop reads it with __ldg (L1-cached: lanes of equal t share an
+// address, so a warp's 16-byte x load touches 4 distinct pieces). Saves k*2 bytes of shared
+// memory per block (down_proj: 37 of 107 KB) and the staging step; not with NORM.
+template <int NM, int KS, int S, int GPS, int DQ, int OP, bool PF, bool XG, bool NORM>
 __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca_kernel(const Args a) {
   static_assert(S >= 2 && (GPS == 1 || GPS == 2 || GPS == 4), "ring shape");
-  // shared memory: x [k/8 uint4] (per group [j][t] transposed, as v3); float red[KS][NM][16];
+  static_assert(!(XG && NORM), "the fused norm stages x");
+  // shared memory: x [k/8 uint4] (not with XG) (per group [j][t] transposed, as v3); float red[KS][NM][16];
   // float scratch[32] (NORM's block sum); half2 scales[KS][ceil(G/KS)][NM][8];
   // ring[KS][S][NM][16 rows][GPS*4 chunks]
   extern __shared__ uint4 xs[];
@@ -834,7 +838,7 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
   const int row0 = blockIdx.x * 16;
   const int gb = s * G / KS, cnt = (s + 1) * G / KS - gb;
   const int maxcnt = (G + KS - 1) / KS;
-  float* red = reinterpret_cast<float*>(xs + (a.k >> 3));
+  float* red = reinterpret_cast<float*>(xs + (XG ? 0 : (a.k >> 3)));
   float* scratch = red + KS * NM * 16;
   half2* ss_all = reinterpret_cast<half2*>(scratch + 32);
   half2* ss = ss_all + s * maxcnt * NM * 8;
@@ -885,7 +889,7 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
     }
     r = rsqrtf(nanoqwen::block_sum(sq, scratch) / (float)a.k + a.eps);
   }
-  {  // stage this warp's x exactly as v3 does (DQ_CORR: words reordered to (x01, x45, x23, x67))
+  if constexpr (!XG) {  // stage this warp's x as v3 does (DQ_CORR: words reordered to (x01, x45, x23, x67))
     const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
     const int p = lane & 15;
     for (int i = lane >> 4; i < cnt; i += 2) {
@@ -925,7 +929,14 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
         const int gi = gb + i;
         uint4 xv[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) xv[j] = xs[gi * 16 + j * 4 + t];
+        for (int j = 0; j < 4; ++j) {
+          if constexpr (XG) {  // staged index j*4 + t is x piece 4t + j
+            xv[j] = __ldg(reinterpret_cast<const uint4*>(a.x) + gi * 16 + 4 * t + j);
+            if constexpr (DQ == DQ_CORR) xv[j] = make_uint4(xv[j].x, xv[j].z, xv[j].y, xv[j].w);
+          } else {
+            xv[j] = xs[gi * 16 + j * 4 + t];
+          }
+        }
         float kc = 0.f;
         if constexpr (DQ == DQ_CORR) {
           const uint32_t nlo = 0xE408E408u;  // half2(-1032, -1032)
@@ -1111,36 +1122,36 @@ cudaError_t launch_ps(int op, const Args& a, cudaStream_t stream) {
 // v5 needs more than kMaxSmemBytes (x + the rings): up to the sm_90 per-block limit
 constexpr int kTcaMaxSmemBytes = 227 * 1024;
 
-template <int NM, int KS, int S, int GPS, int DQ, int OP, bool PF, bool NORM>
+template <int NM, int KS, int S, int GPS, int DQ, int OP, bool PF, bool XG, bool NORM>
 cudaError_t launch_tca_op(const Args& a, cudaStream_t stream) {
-  auto kern = gemv_int4_tca_kernel<NM, KS, S, GPS, DQ, OP, PF, NORM>;
+  auto kern = gemv_int4_tca_kernel<NM, KS, S, GPS, DQ, OP, PF, XG, NORM>;
   static const cudaError_t attr =
       cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kTcaMaxSmemBytes);
   if (attr != cudaSuccess) return attr;
-  const int smem = tca_smem_bytes(a.k, NM, KS, S, GPS);
+  const int smem = tca_smem_bytes(a.k, NM, KS, S, GPS, XG);
   return nanoqwen::launch_pdl(kern, dim3((a.n + 15) / 16), dim3(KS * 32), smem, stream, a);
 }
 
-template <int KS, int S, int GPS, int DQ, bool PF>
+template <int KS, int S, int GPS, int DQ, bool PF, bool XG = false>
 cudaError_t launch_tca(int op, const Args& a, cudaStream_t stream) {
-  const bool norm = a.hidden != nullptr;
-  if (tca_smem_bytes(a.k, op == OP_SILU ? 2 : 1, KS, S, GPS) > kTcaMaxSmemBytes) {
+  const bool norm = a.hidden != nullptr;  // the norm stages x: an XG variant runs it without XG
+  if (tca_smem_bytes(a.k, op == OP_SILU ? 2 : 1, KS, S, GPS, XG && !norm) > kTcaMaxSmemBytes) {
     // x + rings beyond the per-block shared-memory limit (no Qwen2.5 shape): v2 with x from L1
     if (norm)
       return gemv_fail_("gemv_int4 (fused norm): k=%d needs %d bytes of shared memory, limit %d", a.k,
-                        tca_smem_bytes(a.k, op == OP_SILU ? 2 : 1, KS, S, GPS), kTcaMaxSmemBytes);
+                        tca_smem_bytes(a.k, op == OP_SILU ? 2 : 1, KS, S, GPS, false), kTcaMaxSmemBytes);
     return launch_int4<1, 2, ACC_H16W, false>(op, a, stream);
   }
   switch (op) {
     case OP_STORE:
-      return norm ? launch_tca_op<1, KS, S, GPS, DQ, OP_STORE, PF, true>(a, stream)
-                  : launch_tca_op<1, KS, S, GPS, DQ, OP_STORE, PF, false>(a, stream);
+      return norm ? launch_tca_op<1, KS, S, GPS, DQ, OP_STORE, PF, false, true>(a, stream)
+                  : launch_tca_op<1, KS, S, GPS, DQ, OP_STORE, PF, XG, false>(a, stream);
     case OP_RESID:
       if (norm) return gemv_fail_("gemv_int4: the fused norm exists for store and silu_mul only");
-      return launch_tca_op<1, KS, S, GPS, DQ, OP_RESID, PF, false>(a, stream);
+      return launch_tca_op<1, KS, S, GPS, DQ, OP_RESID, PF, XG, false>(a, stream);
     case OP_SILU:
-      return norm ? launch_tca_op<2, KS, S, GPS, DQ, OP_SILU, PF, true>(a, stream)
-                  : launch_tca_op<2, KS, S, GPS, DQ, OP_SILU, PF, false>(a, stream);
+      return norm ? launch_tca_op<2, KS, S, GPS, DQ, OP_SILU, PF, false, true>(a, stream)
+                  : launch_tca_op<2, KS, S, GPS, DQ, OP_SILU, PF, XG, false>(a, stream);
     default: return gemv_fail_("gemv_int4: op=%d is not 0 (store), 1 (residual) or 2 (silu_mul)", op);
   }
 }
@@ -1189,6 +1200,11 @@ constexpr Int4Variant kInt4Variants[] = {
     {"tca_exact_K2_S4_G2", launch_tca<2, 4, 2, DQ_EXACT, false>},
     {"tca_exact_K2_S3_G2", launch_tca<2, 3, 2, DQ_EXACT, false>},
     {"tca_corr_K4_S4_G2", launch_tca<4, 4, 2, DQ_CORR, false>},
+    // _xg: x read from global/L1 in the loop instead of staged (less shared memory per block)
+    {"tca_exact_K8_S4_G2_xg", launch_tca<8, 4, 2, DQ_EXACT, false, true>},
+    {"tca_exact_K8_S6_G2_xg", launch_tca<8, 6, 2, DQ_EXACT, false, true>},
+    {"tca_exact_K4_S4_G2_xg", launch_tca<4, 4, 2, DQ_EXACT, false, true>},
+    {"tca_exact_K2_S4_G2_xg", launch_tca<2, 4, 2, DQ_EXACT, false, true>},
 };
 constexpr int kNumInt4Variants = sizeof(kInt4Variants) / sizeof(kInt4Variants[0]);
 
