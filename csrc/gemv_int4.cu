@@ -1136,10 +1136,9 @@ template <int KS, int S, int GPS, int DQ, bool PF, bool XG = false>
 cudaError_t launch_tca(int op, const Args& a, cudaStream_t stream) {
   const bool norm = a.hidden != nullptr;  // the norm stages x: an XG variant runs it without XG
   if (tca_smem_bytes(a.k, op == OP_SILU ? 2 : 1, KS, S, GPS, XG && !norm) > kTcaMaxSmemBytes) {
-    // x + rings beyond the per-block shared-memory limit (no Qwen2.5 shape): v2 with x from L1
-    if (norm)
-      return gemv_fail_("gemv_int4 (fused norm): k=%d needs %d bytes of shared memory, limit %d", a.k,
-                        tca_smem_bytes(a.k, op == OP_SILU ? 2 : 1, KS, S, GPS, false), kTcaMaxSmemBytes);
+    // x + rings beyond the per-block shared-memory limit (no Qwen2.5 launcher shape): the fused
+    // norm goes to v4 (ps_T256_L8_h16_B2, its run-6 launcher), the rest to v2 with x from L1
+    if (norm) return launch_ps<256, 8, ACC_H16W, 2>(op, a, stream);
     return launch_int4<1, 2, ACC_H16W, false>(op, a, stream);
   }
   switch (op) {
