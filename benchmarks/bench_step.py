@@ -9,6 +9,9 @@ NANOQWEN_PDL=0 in the environment launches without programmatic dependent launch
 Synthetic random weights made on the GPU (CudaBackend.synthetic); the context is filled by a
 prefill so attention reads a real cache. Per-op figures include each launch's own overhead
 inside a graph, so their sum can exceed the step (no overlap between kernels of one token).
+A second table times sample_token per sampler setting (greedy, the app default, top-k off with
+top-p / min-p and the same settings forced onto the full radix path) on the model's logits and
+on a peaked row (bench_sampler).
 """
 
 from __future__ import annotations
@@ -65,7 +68,6 @@ def main() -> None:
         ("advance_step", 1, lambda i: o.advance_step(
             be.token_in, be.pos, be.ctx_tokens, be.counter, be.host_ring, be.sampled)),
     ]
-    sample_fn = rows[-2][2]
     other = [  # alternatives, timed the same way, not summed: the fused-norm GEMVs
         # (NANOQWEN_FUSE_NORM=1) and the session-1 pair attention_decode replaced
         ("(alt) gemv_int4_norm qkv", nl, lambda i: o.gemv_int4_norm(
@@ -96,18 +98,6 @@ def main() -> None:
             if not name.startswith("(alt)"):
                 total += us * count
             print(f"| {name} | {us:.2f} | {count} | {us * count:.1f} |")
-        # the sampler with a full chain (temperature/top-k/top-p/min-p/penalty)
-        saved = be.params_f.clone(), be.params_i.clone()
-        be.params_f.copy_(torch.tensor([0.8, 0.95, 0.05, 1.1]))
-        be.params_i.copy_(torch.tensor([40, 64, 1234, 0]))
-        us = time_graph(sample_fn)
-        print(f"| sample_token t=0.8 k=40 p=0.95 min_p=0.05 pen=1.1 | {us:.2f} | (1) | - |")
-        be.params_f.copy_(torch.tensor([1.0, 0.9, 0.0, 1.0]))
-        be.params_i.copy_(torch.tensor([0, 64, 1234, 0]))
-        us = time_graph(sample_fn)
-        print(f"| sample_token t=1 top-k off p=0.9 | {us:.2f} | (1) | - |")
-        be.params_f.copy_(saved[0])
-        be.params_i.copy_(saved[1])
         # the whole captured step (it advances pos; reset it before every replay)
         times = []
         for _ in range(9):
@@ -123,6 +113,50 @@ def main() -> None:
     print(f"| whole step (graph replay) | | | {statistics.median(times):.1f} |")
     print(f"weights per token {cfg.decode_bytes_per_token() / 1e9:.2f} GB -> floor "
           f"{cfg.decode_bytes_per_token() / 4276e9 * 1e6:.0f} us at 4276 GB/s")
+    with torch.inference_mode():
+        bench_sampler(be, o)
+
+
+def bench_sampler(be, o) -> None:
+    """sample_token alone (graph of 50 launches, median of 7 replays) per sampler setting, on
+    the synthetic model's logits (random weights; "kept" shows how peaked they are) and on a
+    peaked row like a real model's (50 tokens 14 nats above a 2-sigma bulk). top-k off runs the top-p fast path
+    (sample_top_p_fast); "full path" is the same setting with top_k = V + 1024 -- also off, but
+    always the radix passes -- as the A/B. "kept" is the reference sampler's kept-set size: the
+    fast paths need at most 1024 tokens above their bound, so a flat row falls back to the
+    full path (and should then cost about what the full-path row does)."""
+    from nanoqwen.engine.sampling import SamplerParams, _candidates
+
+    V = be.logits.shape[0]
+    g = torch.Generator(device=be.device).manual_seed(0)
+    peaked = torch.randn(V, generator=g, device=be.device) * 2
+    peaked[torch.randperm(V, generator=g, device=be.device)[:50]] += 14
+    rows = [  # name, (temperature, top_k, top_p, min_p, repeat_penalty)
+        ("greedy", (0.0, 0, 1.0, 0.0, 1.0)),
+        ("app default: t 0.8, top-k 40, top-p 0.95, min-p 0.05", (0.8, 40, 0.95, 0.05, 1.0)),
+        ("  + penalty 1.1 (the row of earlier sessions)", (0.8, 40, 0.95, 0.05, 1.1)),
+        ("t 0.8, top-k off, top-p 0.9", (0.8, 0, 0.9, 0.0, 1.0)),
+        ("  same, full path (top_k = V + 1024)", (0.8, V + 1024, 0.9, 0.0, 1.0)),
+        ("t 0.8, top-k off, top-p 0.95, min-p 0.05", (0.8, 0, 0.95, 0.05, 1.0)),
+        ("  same, full path (top_k = V + 1024)", (0.8, V + 1024, 0.95, 0.05, 1.0)),
+    ]
+    saved = be.params_f.clone(), be.params_i.clone()
+    print()
+    print("| sample_token | logits | kept | us/call |")
+    print("| --- | --- | --- | --- |")
+    for label, logits in (("model", be.logits), ("peaked", peaked)):
+        cpu = logits.float().cpu()
+        for name, (t, k, p, mp, pen) in rows:
+            be.params_f.copy_(torch.tensor([t, p, mp, pen]))
+            be.params_i.copy_(torch.tensor([k, 64, 1234, 0]))
+            us = time_graph(lambda i: o.sample_token(
+                be.sampled, be.work, logits, be.ctx_tokens, be.pos, be.params_f, be.params_i,
+                be.counter))
+            kept = 1 if t <= 0 else len(_candidates(cpu, SamplerParams(
+                temperature=t, top_k=k, top_p=p, min_p=mp))[1])  # penalty not applied here
+            print(f"| {name} | {label} | {kept} | {us:.2f} |")
+    be.params_f.copy_(saved[0])
+    be.params_i.copy_(saved[1])
 
 
 if __name__ == "__main__":

@@ -20,6 +20,19 @@
 // top-k up to 1024 (the default 40) skips the radix passes: the k-th largest per-thread maximum
 // bounds the threshold from below, the few tokens above it are compacted and steps 3-6 finish
 // on that list in shared memory (sample_top_k_fast); flat distributions fall back to the radix.
+// top-k off (top_k <= 0) with top-p < 1 skips them too (sample_top_p_fast): one pass sums z and
+// per-warp histograms of the distance below the max (1/16 nat bins, counts and mass lower
+// bounds); the first bin where the mass reaches ceil(top_p * z) bounds top-p's threshold from
+// below (min-p's floor, when tighter, replaces it), and if at most 1024 tokens lie above the
+// bound they are compacted in ascending id order and steps 4-6 finish on the list with the
+// full z. Same kept set, same fixed-point weights, same walk order: the same token as the full
+// path for the same (seed, counter). More than 1024 above the bound (flat distributions, big
+// ties), z == 0 (+-inf maxima) or V > 1048576: the full path, reusing z.
+// Predicted (before measurement) on the H200 for top-k off, top-p 0.9 on bench_step's peaked
+// row (V = 152064, ~15k tokens within 16 nats of the max, a handful kept): ~30 us per call
+// (argmax pass ~5, histogram pass ~12 -- bound by the expf and 64-bit conversion per token --,
+// write pass ~5, list finish and barriers ~5, launch ~3) against 500 us on the radix path; on a
+// flat row (fallback) about the radix path's 500 us (the histogram pass replaces its z pass).
 // Radix histograms are per warp with same-bin lanes merged first (radix_threshold).
 // Parameters are read from device memory on every call (no graph re-capture when they change).
 #include <math_constants.h>
@@ -59,6 +72,9 @@ struct SampleShared {
   int sel_digit;
   float max_val;
   int max_idx;
+  unsigned bin_cnt[256];  // sample_top_p_fast: tokens per distance bin (sh.hist: their mass)
+  int top_p_bin;          // sample_top_p_fast: the bin where the mass reaches the target, or -1
+  unsigned top_p_n;       // tokens in bins 0..top_p_bin
 };
 
 // Block-wide uint64 sum (all threads get it). Called by every thread, outside warp branches.
@@ -265,6 +281,22 @@ __device__ __forceinline__ unsigned long long top_p_target(float top_p, unsigned
   return t < 1ull ? 1ull : (t > z ? z : t);
 }
 
+// min-p's floor logit max + log(min_p). __fadd_rn is never fused into a neighbouring multiply,
+// so every call site (full path, finish_compact, sample_top_p_fast) gets the same float.
+__device__ __forceinline__ float min_p_floor(float mx, float min_p) {
+  return __fadd_rn(mx, logf(min_p));
+}
+
+// sample_top_p_fast's histogram: 256 bins of 1/16 nat below the max (16 nats; a token 16 nats
+// down has 1e-7 of the top token's probability).
+constexpr int kTopPBins = 256;
+// Distance below the max in bins: monotone non-increasing in v (so {d < lim} is a top set of
+// the logit order) and NaN for NaN. __fsub_rn/__fmul_rn are never contracted: the histogram
+// pass and the write pass compute the same value for the same logit.
+__device__ __forceinline__ float top_p_bin_dist(float v, float mx) {
+  return __fmul_rn(__fsub_rn(mx, v), 16.0f);
+}
+
 // Exclusive scan of `mine` over the block in thread order; `total` gets the block's sum.
 // Called by every thread, outside warp branches.
 __device__ unsigned long long block_excl_scan_u64(unsigned long long mine, SampleShared& sh,
@@ -376,11 +408,15 @@ __device__ int compact_candidates(const float* __restrict__ src, int V, uint32_t
 // top-k: top-p, min-p and the draw on a one-per-thread list in shared memory instead of more
 // passes over the whole vocabulary. Same candidate set and the same probabilities as the full
 // path (top-p's threshold is the largest kept key whose mass of keys >= it reaches the target,
-// as the radix walk finds it); only the order in which the draw walks the candidates differs,
-// and it is fixed, so draws stay a function of (seed, counter).
+// as the radix walk finds it); the draw walks the list in its order, which is fixed, so draws
+// stay a function of (seed, counter), and when the list is in ascending id order
+// (sample_top_p_fast) it is the full path's order: the same token.
+// z_given: top-p's total mass z_all is over more than the list (top-k off: the whole
+// vocabulary, summed by the caller); otherwise it is the list's own sum (the top-k survivors).
 __device__ void finish_compact(int32_t* out_token, int n, uint32_t floor_key, float mx,
                                float temperature, float top_p, float min_p, uint64_t seed,
-                               const int64_t* counter, const CompactSmem& c, SampleShared& sh) {
+                               const int64_t* counter, const CompactSmem& c, SampleShared& sh,
+                               bool z_given = false, unsigned long long z_all = 0) {
   const int t = threadIdx.x;
   const float v = t < n ? c.cv[t] : 0.f;
   const uint32_t key = t < n ? float_key(v) : 0u;
@@ -389,7 +425,8 @@ __device__ void finish_compact(int32_t* out_token, int n, uint32_t floor_key, fl
   if (top_p < 1.0f) {
     const unsigned long long w = have ? fixed_mass(v, mx, 1.0f) : 0ull;
     if (t < n) c.cw[t] = w;
-    const unsigned long long z = block_sum_u64(w, sh);  // its barriers publish c.cw
+    const unsigned long long z_list = block_sum_u64(w, sh);  // its barriers publish c.cw
+    const unsigned long long z = z_given ? z_all : z_list;
     const unsigned long long target = top_p_target(top_p, z);
     unsigned long long m = 0;  // mass of the kept candidates with key >= this one's
     if (have)
@@ -400,7 +437,7 @@ __device__ void finish_compact(int32_t* out_token, int n, uint32_t floor_key, fl
     __syncthreads();
     floor2 = max(floor2, (uint32_t)sh.sel_digit);
   }
-  if (min_p > 0.f) floor2 = max(floor2, float_key(mx + logf(min_p)));
+  if (min_p > 0.f) floor2 = max(floor2, float_key(min_p_floor(mx, min_p)));
   const unsigned long long wt =
       have && key >= floor2 ? fixed_mass(v, mx, 1.0f / temperature) : 0ull;
   unsigned long long total;
@@ -440,6 +477,177 @@ __device__ bool sample_top_k_fast(int32_t* out_token, const float* __restrict__ 
     __syncthreads();
   }
   finish_compact(out_token, n, floor_key, mx, temperature, top_p, min_p, seed, counter, c, sh);
+  return true;
+}
+
+// top-p (and min-p) with top-k off, without the radix passes. Same kept set, same fixed-point
+// masses and the same draw as the full path, so the same token for the same (seed, counter):
+//   scan pass (warp w owns the contiguous ids [w*seg, (w+1)*seg), read coalesced): the total
+//     mass z (top-p's denominator, the same integer sum as the full path's), per-warp
+//     histograms over d = 16 * (max - l) (256 bins, 16 nats): token counts and mass lower
+//     bounds (w >> 16, so a bin fits 32 bits), and per warp the count of min-p's survivors.
+//   pick: the first bin b where the histogram's mass reaches top_p's target. The tokens with
+//     d < b + 1 (U_h) have exact mass >= the lower bound >= target, so the top-p threshold t*
+//     (the largest key whose mass of keys >= it reaches the target) is >= their smallest key:
+//     U_h holds every token of the top-p set. With min-p, U_F = {l >= max + log(min_p)} also
+//     does: if t* lies in U_F it is found exactly (all keys >= t* are in U_F), otherwise no
+//     list key reaches the target and min-p's floor decides alone, as on the full path. Both
+//     are top sets of the logit order, so one contains the other: take the smaller.
+//   write pass: the chosen set in ascending id order (warp segments in order, ballots within
+//     a warp) -- the order in which the full path's draw walks the vocabulary, so the same
+//     pick lands on the same token -- and finish_compact with the full z.
+// Returns false (block-uniform) when the set has more than kSampleThreads tokens (flat
+// distributions, big ties), when z == 0 (+-inf maxima), or when V > 32 * 32768 (a bin's u32
+// mass could overflow); *z_known then says whether z_out holds z for the full path.
+__device__ bool sample_top_p_fast(int32_t* out_token, const float* __restrict__ src, int V,
+                                  float mx, float temperature, float top_p, float min_p,
+                                  uint64_t seed, const int64_t* counter, SampleShared& sh,
+                                  unsigned long long& z_out, bool& z_known) {
+  extern __shared__ unsigned long long whist[];
+  unsigned* wmass = reinterpret_cast<unsigned*>(whist);   // [kSampleWarps][kTopPBins]
+  unsigned* wcnt = wmass + kSampleWarps * kTopPBins;      // [kSampleWarps][kTopPBins]
+  static_assert(2 * kSampleWarps * kTopPBins * 4 <= kWarpHistBytes, "rows exceed the buffer");
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  z_known = false;
+  const int seg = ((V + kSampleWarps - 1) / kSampleWarps + 31) & ~31;  // whole 128 B lines
+  if (seg > 32768) return false;  // 32768 tokens * 2^16 per bin: the u32 sums stay exact
+  const int s0 = min(V, warp * seg), s1 = min(V, s0 + seg);
+  const bool use_min_p = min_p > 0.f;
+  const float fv = use_min_p ? min_p_floor(mx, min_p) : 0.f;
+  const uint32_t fkey = float_key(fv);
+  for (int i = t; i < 2 * kSampleWarps * kTopPBins; i += kSampleThreads) wmass[i] = 0u;
+  __syncthreads();  // the rows overlay block_argmax's tmax (not read on this path)
+
+  unsigned* my_mass = wmass + warp * kTopPBins;
+  unsigned* my_cnt = wcnt + warp * kTopPBins;
+  unsigned long long z = 0;
+  unsigned n_f = 0;  // min-p survivors in this warp's segment (warp-uniform)
+  // loads in flight per lane before the arithmetic: 4 in this pass (8 spilled at the 64-register
+  // cap, and the pass is bound by the expf + 64-bit conversion per token anyway), 8 in the write
+  constexpr int kBatch = 4, kBatchW = 8;
+  for (int i0 = s0; i0 < s1; i0 += kBatch * 32) {  // same trip count for the warp's lanes
+    float vb[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = i0 + u * 32 + lane;
+      vb[u] = i < s1 ? src[i] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const bool in = i0 + u * 32 + lane < s1;
+      const float v = vb[u];
+      if (in) {
+        const unsigned long long w = fixed_mass(v, mx, 1.0f);  // the full path's top-p mass
+        z += w;
+        const float d = top_p_bin_dist(v, mx);
+        if (d < (float)kTopPBins) {  // false for NaN
+          const int b = (int)d;
+          atomicAdd(&my_cnt[b], 1u);
+          const unsigned wl = (unsigned)(w >> 16);
+          if (wl) atomicAdd(&my_mass[b], wl);
+        }
+      }
+      if (use_min_p) n_f += __popc(__ballot_sync(0xffffffffu, in && float_key(v) >= fkey));
+    }
+  }
+  z = block_sum_u64(z, sh);  // its first barrier also publishes the rows
+  z_out = z;
+  z_known = true;
+  if (z == 0) return false;
+  const unsigned long long target = top_p_target(top_p, z);
+  for (int b = t; b < kTopPBins; b += kSampleThreads) {
+    unsigned long long m = 0;
+    unsigned n = 0;
+#pragma unroll 8
+    for (int w = 0; w < kSampleWarps; ++w) {
+      m += wmass[w * kTopPBins + b];
+      n += wcnt[w * kTopPBins + b];
+    }
+    sh.hist[b] = m << 16;
+    sh.bin_cnt[b] = n;
+  }
+  __syncthreads();
+  if (warp == 0) {  // the first bin whose cumulative mass reaches the target; shuffles only
+    static_assert(kTopPBins == 32 * 8, "8 bins per lane");
+    unsigned long long v[8], mine = 0;
+    unsigned cn[8], cmine = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      v[j] = sh.hist[lane * 8 + j];
+      cn[j] = sh.bin_cnt[lane * 8 + j];
+      mine += v[j];
+      cmine += cn[j];
+    }
+    unsigned long long incl = mine;
+    unsigned cincl = cmine;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned long long other = __shfl_up_sync(0xffffffffu, incl, o);
+      const unsigned cother = __shfl_up_sync(0xffffffffu, cincl, o);
+      if (lane >= o) { incl += other; cincl += cother; }
+    }
+    if (lane == 31 && incl < target) sh.top_p_bin = -1;  // beyond 16 nats
+    if (incl - mine < target && target <= incl) {        // exactly one lane
+      unsigned long long acc = incl - mine;
+      unsigned cacc = cincl - cmine;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        acc += v[j];
+        cacc += cn[j];
+        if (acc >= target) {
+          sh.top_p_bin = lane * 8 + j;
+          sh.top_p_n = cacc;
+          break;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  const int bin = sh.top_p_bin;
+  const float lim = (float)(bin + 1);  // U_h = {d < lim}: (int)d <= bin for d in [0, 256)
+  // U_F inside U_h iff max + log(min_p) itself lies inside (both are top sets)
+  const bool by_key = use_min_p && (bin < 0 || top_p_bin_dist(fv, mx) < lim);
+  if (!by_key && (bin < 0 || sh.top_p_n > (unsigned)kSampleThreads)) return false;
+  unsigned wc = n_f;  // this warp's share of the chosen set
+  if (!by_key) {
+    unsigned s = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s += lane * 8 + j <= bin ? my_cnt[lane * 8 + j] : 0u;
+    wc = __reduce_add_sync(0xffffffffu, s);
+  }
+  unsigned long long n;
+  const unsigned long long at0 = block_excl_scan_u64(lane == 0 ? wc : 0ull, sh, n);
+  if (n > (unsigned long long)kSampleThreads) return false;
+  // write pass: the rows are dead (read before the scan's barriers), c.cv / c.ci overlay them
+  const CompactSmem c = compact_smem();
+  if (wc > 0) {  // warp-uniform
+    unsigned at = (unsigned)__shfl_sync(0xffffffffu, at0, 0);
+    const unsigned lt = (1u << lane) - 1u;
+    for (int i0 = s0; i0 < s1; i0 += kBatchW * 32) {
+      float vb[kBatchW];
+#pragma unroll
+      for (int u = 0; u < kBatchW; ++u) {
+        const int i = i0 + u * 32 + lane;
+        vb[u] = i < s1 ? src[i] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatchW; ++u) {
+        const int i = i0 + u * 32 + lane;
+        const float v = vb[u];
+        const bool keep = i < s1 && (by_key ? float_key(v) >= fkey : top_p_bin_dist(v, mx) < lim);
+        const unsigned bal = __ballot_sync(0xffffffffu, keep);
+        const unsigned k = at + __popc(bal & lt);
+        if (keep && k < (unsigned)kSampleThreads) {  // k < n by construction; guard anyway
+          c.cv[k] = v;
+          c.ci[k] = i;
+        }
+        at += __popc(bal);
+      }
+    }
+  }
+  __syncthreads();
+  finish_compact(out_token, (int)n, 0u, mx, temperature, top_p, min_p, seed, counter, c, sh,
+                 true, z);
   return true;
 }
 
@@ -488,6 +696,16 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
       sample_top_k_fast(out_token, src, V, (int)top_k, mx, temperature, top_p, min_p, seed,
                         counter, sh))
     return;  // block-uniform
+  // 3'. top-k off (top_k <= 0) with top-p: a bound from a distance histogram, then steps 4-6
+  // on the few tokens above it (sample_top_p_fast); the same token as the full path below.
+  // top_k >= V is off too but deliberately keeps the full path: tests/gpu/test_sampler_fast.py
+  // uses it as the reference the fast path must match token for token.
+  unsigned long long z_all = 0;
+  bool z_known = false;
+  if (top_k <= 0 && top_p < 1.0f &&
+      sample_top_p_fast(out_token, src, V, mx, temperature, top_p, min_p, seed, counter, sh,
+                        z_all, z_known))
+    return;  // block-uniform
   uint32_t floor_key = 0;
   if (top_k > 0 && top_k < V)
     floor_key = radix_threshold<false>(src, V, 0u, mx, (unsigned long long)top_k, sh);
@@ -505,17 +723,19 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
 
   // 4. top-p over the softmax of the top-k survivors
   if (top_p < 1.0f) {
-    unsigned long long z = 0;
-    for (int i = threadIdx.x; i < V; i += kSampleThreads) {
-      const float v = src[i];
-      if (float_key(v) >= floor_key) z += fixed_mass(v, mx, 1.0f);
+    unsigned long long z = z_all;  // sample_top_p_fast's z when it fell back (floor_key 0)
+    if (!z_known) {
+      for (int i = threadIdx.x; i < V; i += kSampleThreads) {
+        const float v = src[i];
+        if (float_key(v) >= floor_key) z += fixed_mass(v, mx, 1.0f);
+      }
+      z = block_sum_u64(z, sh);
     }
-    z = block_sum_u64(z, sh);
     floor_key = radix_threshold<true>(src, V, floor_key, mx, top_p_target(top_p, z), sh);
   }
 
   // 5. min-p (a ratio of probabilities = a difference of logits)
-  if (min_p > 0.f) floor_key = max(floor_key, float_key(mx + logf(min_p)));
+  if (min_p > 0.f) floor_key = max(floor_key, float_key(min_p_floor(mx, min_p)));
 
   // 6. temperature + draw
   const float inv_t = 1.0f / temperature;
