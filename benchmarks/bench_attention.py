@@ -1,7 +1,8 @@
 """Decode attention at the 7B's shape over context lengths: the fused attention_decode (RoPE +
 K/V write + split-K attention + split merge, one launch) against the unfused pair it replaces
 (rope_kv_write + paged_attention = three launches), and a sweep of the fused op's split sizing
-(num_splits = the ws size, NANOQWEN_ATTN_MIN_PPS = minimum pages per split).
+(num_splits = the ws size, min_pps = the op's minimum-pages-per-split argument, which the engine
+takes from NANOQWEN_ATTN_MIN_PPS).
 
     python benchmarks/bench_attention.py [--heads 28 --kv-heads 4 --head-dim 128]
 
@@ -90,11 +91,10 @@ def main() -> None:
         for S, mp in variants:
             S = max(1, min(pages, S))
             wsf = torch.empty(nh, S, d, device="cuda"), torch.empty(nh, S, 2, device="cuda")
-            os.environ["NANOQWEN_ATTN_MIN_PPS"] = str(mp)  # read at launch, i.e. at capture
+            # min_pps is a launch argument, so each variant's graph captures its own
             res[f"fused S={S} min_pps={mp}"] = (S, time_graph(
                 lambda i: ops.attention_decode(out, *wsf, counters, qkv, k[i % a.layers],
-                                               v[i % a.layers], cos, sin, table, pos)))
-        os.environ.pop("NANOQWEN_ATTN_MIN_PPS", None)
+                                               v[i % a.layers], cos, sin, table, pos, mp)))
         assert int(counters.abs().sum()) == 0
         for name, (S, us) in res.items():
             gbs = mb * 1e6 / (us * 1e-6) / 1e9

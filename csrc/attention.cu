@@ -228,8 +228,9 @@ cudaError_t paged_attention(half* out, float* ws_acc, float* ws_ml, const half* 
 // ---- attention_decode: RoPE + K/V write + split-K attention + split merge, one launch ---------
 //
 // Grid (n_kv, num_splits), 4 warps a block, as paged_attention; split s of kv head h takes pages
-// [s*pps, s*pps + pps) with pps = max(ceil(pages / num_splits), min_pps) (min_pps: fewer, longer
-// splits at short contexts, where the merge's reads cost more than a split's own pages).
+// [s*pps, s*pps + pps) with pps = max(ceil(pages / num_splits), min_pps) (min_pps, the launcher's
+// argument: fewer, longer splits at short contexts, where the merge's reads cost more than a
+// split's own pages).
 //
 // Block flow:
 //   before griddep_wait (PDL; only data written >= 2 launches back, see common.cuh): pos, the
@@ -257,8 +258,6 @@ cudaError_t paged_attention(half* out, float* ws_acc, float* ws_ml, const half* 
 constexpr int kDecWarps = 4;
 constexpr int kDecThreads = kDecWarps * 32;
 constexpr int kDecStages = 4;       // K/V pages in the shared-memory ring (3 in flight)
-constexpr int kDecMinPpsDefault = 2;
-constexpr int kDecMinPpsMax = 8192;  // 131072 tokens; engine/switches.py has the same bounds
 constexpr float kNegBig = -1e30f;   // finite "minus infinity" for running maxima
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -601,38 +600,18 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
   if (tid == 0) counters[kvh] = 0;  // every active block of this kv head has counted
 }
 
-// NANOQWEN_ATTN_MIN_PPS=n overrides the minimum pages per split (benchmark sweeps). Read once
-// per process, like NANOQWEN_PDL, so setting it after the first launch changes nothing. n is
-// 1..kDecMinPpsMax in ASCII decimal digits (leading zeros allowed); anything else means the
-// default: engine/switches.py rejects it with a message before the kernels load, and the bound
-// keeps split * pps inside int.
-static int decode_min_pps() {
-  static const int v = [] {
-    const char* e = getenv("NANOQWEN_ATTN_MIN_PPS");
-    if (!e || !*e) return kDecMinPpsDefault;
-    int n = 0;
-    for (const char* c = e; *c; ++c) {
-      if (*c < '0' || *c > '9') return kDecMinPpsDefault;
-      n = n * 10 + (*c - '0');
-      if (n > kDecMinPpsMax) return kDecMinPpsDefault;  // before n * 10 could overflow
-    }
-    return n >= 1 ? n : kDecMinPpsDefault;
-  }();
-  return v;
-}
-
 cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* counters,
                              const half* qkv, half* k_cache, half* v_cache,
                              const float* cos_table, const float* sin_table,
                              const int32_t* page_table, int table_len, const int32_t* pos,
-                             int n_heads, int n_kv, int head_dim, int num_splits, float scale,
-                             cudaStream_t stream) {
+                             int n_heads, int n_kv, int head_dim, int num_splits, int min_pps,
+                             float scale, cudaStream_t stream) {
   if (n_kv <= 0 || n_heads % n_kv || n_heads / n_kv > kMaxGqa || num_splits <= 0 ||
-      table_len <= 0)
+      table_len <= 0 || min_pps < 0 || min_pps > kDecMinPpsMax)
     return cudaErrorInvalidValue;
+  if (min_pps == 0) min_pps = kDecMinPpsDefault;
   const float scale_log2 = scale * 1.4426950408889634f;
   const dim3 grid(n_kv, num_splits);
-  const int min_pps = decode_min_pps();
 #define NQ_DECODE_CASE(HD, G)                                                                    \
   case G:                                                                                      \
     return launch_pdl(attn_decode_kernel<HD, G>, grid, dim3(kDecThreads), 0, stream, out,      \

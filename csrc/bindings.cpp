@@ -233,8 +233,12 @@ void paged_attention(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, const Tensor& q
 
 void attention_decode(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, Tensor& counters,
                       const Tensor& qkv, Tensor& k_cache, Tensor& v_cache, const Tensor& cos,
-                      const Tensor& sin, const Tensor& page_table, const Tensor& pos) {
+                      const Tensor& sin, const Tensor& page_table, const Tensor& pos,
+                      int64_t min_pps) {
   const char* op = "attention_decode";
+  NQ_CHECK(min_pps >= 0 && min_pps <= nanoqwen::kDecMinPpsMax, op, ": min_pps=", min_pps,
+           " must be 0 (the default, ", nanoqwen::kDecMinPpsDefault,
+           " KV pages per split) or 1 to ", nanoqwen::kDecMinPpsMax);
   check_arg(op, "out", out, at::kHalf);
   check_arg(op, "ws_acc", ws_acc, at::kFloat);
   check_arg(op, "ws_ml", ws_ml, at::kFloat);
@@ -275,8 +279,8 @@ void attention_decode(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, Tensor& counte
                        counters.data_ptr<int32_t>(), chp(qkv), hp(k_cache), hp(v_cache),
                        cos.data_ptr<float>(), sin.data_ptr<float>(),
                        page_table.data_ptr<int32_t>(), (int)table_len, pos.data_ptr<int32_t>(),
-                       (int)nh, (int)nkv, (int)D, (int)S, (float)(1.0 / std::sqrt((double)D)),
-                       stream_of(out)));
+                       (int)nh, (int)nkv, (int)D, (int)S, (int)min_pps,
+                       (float)(1.0 / std::sqrt((double)D)), stream_of(out)));
 }
 
 // ---- sampling / advance ---------------------------------------------------------------------
@@ -549,9 +553,10 @@ TORCH_LIBRARY(nanoqwen, m) {
   // fp16 lm_head GEMV to fp32 logits
   m.def("gemv_fp16(Tensor! logits, Tensor x, Tensor w) -> ()");
   // RoPE + K/V write + split-K paged attention + split merge for one decode token, one launch
+  // (min_pps: minimum KV pages per split, 0 = kDecMinPpsDefault; the engine passes its switch)
   m.def("attention_decode(Tensor! out, Tensor! ws_acc, Tensor! ws_ml, Tensor! counters, "
         "Tensor qkv, Tensor! k_cache, Tensor! v_cache, Tensor cos, Tensor sin, "
-        "Tensor page_table, Tensor pos) -> ()");
+        "Tensor page_table, Tensor pos, int min_pps=0) -> ()");
   // the GEMVs above with x = rmsnorm(hidden) * norm_w computed in their prologue
   m.def("gemv_int4_norm(Tensor! y, Tensor hidden, Tensor norm_w, float eps, Tensor qweight, "
         "Tensor scales, Tensor? bias) -> ()");

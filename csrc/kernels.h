@@ -60,12 +60,22 @@ cudaError_t paged_attention(half* out, float* ws_acc, float* ws_ml, const half* 
 // depend on which block finishes last). counters int32 [n_kv]: zero before the first call, left
 // zero by every call. Results equal rope_kv_write + paged_attention: rotated q and the cache
 // write bit for bit, the output to ~1 fp16 ulp (same fp32 math, another summation order).
+// Split sizing: pages per split = max(ceil(pages / num_splits), min_pps), so at short contexts
+// fewer, longer splits run (their merge reads cost more than a split's own pages). min_pps is an
+// argument, not read from the environment: 0 means kDecMinPpsDefault, 1..kDecMinPpsMax is used
+// as given, anything else returns cudaErrorInvalidValue without launching (the torch op checks
+// it first, with a message). A host int baked into the launch, so a captured graph keeps it.
+constexpr int kDecMinPpsDefault = 2;  // measured fastest on the H200 (benchmarks/RESULTS.md)
+// 8192 pages = 131072 tokens: larger values change nothing at Qwen2.5-Coder contexts (one split
+// per kv head already), and the bound keeps split * pps far inside int. engine/switches.py
+// validates NANOQWEN_ATTN_MIN_PPS against the same two constants (tests/test_switches.py).
+constexpr int kDecMinPpsMax = 8192;
 cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* counters,
                              const half* qkv, half* k_cache, half* v_cache,
                              const float* cos_table, const float* sin_table,
                              const int32_t* page_table, int table_len, const int32_t* pos,
-                             int n_heads, int n_kv, int head_dim, int num_splits, float scale,
-                             cudaStream_t stream);
+                             int n_heads, int n_kv, int head_dim, int num_splits, int min_pps,
+                             float scale, cudaStream_t stream);
 
 // GPU sampler (docs/INTERFACES.md order): repetition penalty over the distinct ids among the
 // last repeat_last_n context ids (ctx_tokens[0..pos]) -> greedy argmax (lowest id on ties) ->

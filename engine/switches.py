@@ -3,15 +3,17 @@ A/B measurements (README, "measurement switches"; the numbers are in benchmarks/
 
     NANOQWEN_PDL=0|1           programmatic dependent launch, default 1 (on)    csrc/common.cuh
     NANOQWEN_FUSE_NORM=0|1     RMSNorm inside the GEMV prologues, default 0      backends/cuda.py
-    NANOQWEN_ATTN_MIN_PPS=n    attention_decode's minimum KV pages per split,    csrc/attention.cu
+    NANOQWEN_ATTN_MIN_PPS=n    attention_decode's minimum KV pages per split,    backends/cuda.py
                                n = 1..8192 in decimal digits, default 2
 
 Unset or empty means the default; any other value raises SwitchError naming the variable, the
 value and what is allowed, because a typo that silently measured the default would be a wrong
 result, not a crash. The CUDA backend calls read_switches() before it builds or loads the
-kernels. The C++ side reads NANOQWEN_PDL and NANOQWEN_ATTN_MIN_PPS itself, once per process,
-with the same rules, and takes a malformed value as the default (it cannot raise): this check
-is what a user sees. The C++ constants are kDecMinPpsDefault / kDecMinPpsMax in attention.cu;
+kernels. This is the only reader of NANOQWEN_ATTN_MIN_PPS: the backend passes the value to
+the attention_decode op as its min_pps argument (the op rejects anything outside 0..8192, 0
+meaning its default). The C++ side reads NANOQWEN_PDL itself, once per process, with the same
+rules, and takes a malformed value as the default (it cannot raise): this check is what a user
+sees. The C++ constants are kDecMinPpsDefault / kDecMinPpsMax in csrc/kernels.h;
 tests/test_switches.py keeps the two sides equal.
 """
 

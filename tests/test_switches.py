@@ -1,5 +1,5 @@
 """The measurement switches (engine/switches.py): every accepted and rejected form of
-NANOQWEN_PDL, NANOQWEN_FUSE_NORM and NANOQWEN_ATTN_MIN_PPS, the C++ readers' constants, and a bad
+NANOQWEN_PDL, NANOQWEN_FUSE_NORM and NANOQWEN_ATTN_MIN_PPS, the C++ side's constants, and a bad
 value reaching the user as a message (CUDA backend init, loader, CLI, app) instead of a
 traceback or a silent fallback. CPU only: where a path needs CUDA, torch.cuda.is_available is
 patched to True and the check fires before anything touches the device."""
@@ -93,13 +93,17 @@ def test_switch_error_is_a_user_error_and_a_value_error():
     assert issubclass(SwitchError, NanoqwenError) and issubclass(SwitchError, ValueError)
 
 
-def test_cpp_readers_use_the_same_default_and_bounds():
-    """attention.cu and common.cuh read the variables themselves (once per process): their
-    default and bound are the ones validated here, and "0" is PDL's only off value."""
-    attn = (REPO_ROOT / "csrc" / "attention.cu").read_text()
-    assert re.search(r"kDecMinPpsDefault = (\d+);", attn).group(1) == str(ATTN_MIN_PPS_DEFAULT)
-    assert re.search(r"kDecMinPpsMax = (\d+);", attn).group(1) == str(ATTN_MIN_PPS_MAX)
-    assert 'getenv("NANOQWEN_ATTN_MIN_PPS")' in attn
+def test_cpp_side_uses_the_same_default_and_bounds():
+    """attention_decode takes min_pps as an argument (csrc/kernels.h: default and bound equal to
+    the ones validated here) and the only getenv in csrc/ is common.cuh's NANOQWEN_PDL, so
+    engine/switches.py is NANOQWEN_ATTN_MIN_PPS's one reader; "0" is PDL's only off value."""
+    hdr = (REPO_ROOT / "csrc" / "kernels.h").read_text()
+    assert re.search(r"kDecMinPpsDefault = (\d+);", hdr).group(1) == str(ATTN_MIN_PPS_DEFAULT)
+    assert re.search(r"kDecMinPpsMax = (\d+);", hdr).group(1) == str(ATTN_MIN_PPS_MAX)
+    for f in sorted((REPO_ROOT / "csrc").iterdir()):
+        if f.suffix in (".cu", ".cuh", ".h", ".cpp"):
+            text = f.read_text()
+            assert text.count("getenv") == text.count('getenv("NANOQWEN_PDL")'), f.name
     common = (REPO_ROOT / "csrc" / "common.cuh").read_text()
     assert "e[0] == '0' && e[1] == '\\0'" in common
 

@@ -122,7 +122,8 @@ class CudaBackend(Backend):
                  device: str | torch.device | None = None, prefill_weights: str = "auto",
                  progress: Callable[[int, int], None] | None = None) -> None:
         # the measurement switches first: a bad value is a SwitchError (a user error) here,
-        # not a default silently measured by the kernels, which read the same variables
+        # not a default silently measured; the kernels get attn_min_pps as an argument (and
+        # read NANOQWEN_PDL themselves)
         self.switches = read_switches()
         load_extension()  # BackendUnavailable with the reason when it cannot build/run
         if max_context is None:
@@ -324,6 +325,9 @@ class CudaBackend(Backend):
         self._xn = torch.zeros(1, c.hidden_size, dtype=torch.float16, device=dev)
         # attention_decode's per-kv-head "last split merges" counters; it leaves them zero
         self.attn_counters = torch.zeros(c.num_key_value_heads, dtype=torch.int32, device=dev)
+        # its minimum KV pages per split (NANOQWEN_ATTN_MIN_PPS), a launch argument: captured
+        # into the graph once, fixed for this backend's lifetime
+        self.attn_min_pps = self.switches.attn_min_pps
         # greedy until a generate() sets its own parameters
         self.params_f = torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float32, device=dev)
         self.params_i = torch.tensor([0, 0, 0, 0], dtype=torch.int64, device=dev)
@@ -353,7 +357,7 @@ class CudaBackend(Backend):
                 o.gemv_int4(self.qkv, xn, L.qkv_qw, L.qkv_sc, L.qkv_b)
             o.attention_decode(self.attn, self.ws_acc, self.ws_ml, self.attn_counters, self.qkv,
                                self.k_layers[li], self.v_layers[li], self.cos, self.sin,
-                               self.page_table, self.pos)
+                               self.page_table, self.pos, self.attn_min_pps)
             o.gemv_int4_residual(self.hidden, self.attn, L.o_qw, L.o_sc)
             if self._fuse_norm:
                 o.gemv_int4_silu_mul_norm(self.act, self.hidden, L.ln2, eps, L.gate_qw,

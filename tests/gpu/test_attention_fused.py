@@ -1,7 +1,8 @@
 """attention_decode (RoPE + K/V write + split-K paged attention + in-kernel split merge, one
 launch) against (a) an fp32 PyTorch reference and (b) the unfused pair rope_kv_write +
 paged_attention, on fresh random data: partial last pages, shuffled page tables, head_dim 64
-and 128, GQA 1/5/7/8, split counts 1..66, both split-sizing policies (NANOQWEN_ATTN_MIN_PPS).
+and 128, GQA 1/5/7/8, split counts 1..66, split-sizing policies (the min_pps argument: the
+number of split slots written must follow it).
 Also: the cache after the call equals rope_kv_write's bit for bit, the per-kv-head counters
 are back to zero, repeated calls and a CUDA-graph replay are bitwise equal to an eager call,
 pos beyond the table, a multi-step decode across a page boundary, and bad shapes raising."""
@@ -42,8 +43,9 @@ def rope_ref(x, c, s):
 class Case:
     """One decode step's inputs: token at position pos over a shuffled paged cache."""
 
-    def __init__(self, gen, d, nh, nkv, pos, num_pages, splits):
+    def __init__(self, gen, d, nh, nkv, pos, num_pages, splits, min_pps=0):
         self.d, self.nh, self.nkv, self.pos0, self.splits = d, nh, nkv, pos, splits
+        self.min_pps = min_pps  # 0: the op's default (kDecMinPpsDefault = 2)
         self.table = torch.randperm(num_pages, generator=gen, device="cuda").int()
         self.kc = torch.randn(num_pages, PAGE, nkv, d, generator=gen, device="cuda").half()
         self.vc = torch.randn(num_pages, PAGE, nkv, d, generator=gen, device="cuda").half()
@@ -58,14 +60,14 @@ class Case:
         return (torch.full((self.nh, self.splits, self.d), nan, device="cuda"),
                 torch.full((self.nh, self.splits, 2), nan, device="cuda"))
 
-    def fused(self, kc=None, vc=None, counters=None):
+    def fused(self, kc=None, vc=None, counters=None, ws=None):
         kc = self.kc.clone() if kc is None else kc
         vc = self.vc.clone() if vc is None else vc
         counters = torch.zeros(self.nkv, dtype=torch.int32, device="cuda") if counters is None \
             else counters
         out = torch.full((self.nh, self.d), float("nan"), device="cuda").half()
-        ops().attention_decode(out, *self.ws(), counters, self.qkv, kc, vc, self.cos, self.sin,
-                               self.table, self.pos)
+        ops().attention_decode(out, *(self.ws() if ws is None else ws), counters, self.qkv, kc,
+                               vc, self.cos, self.sin, self.table, self.pos, self.min_pps)
         return out, kc, vc, counters
 
     def pair(self):
@@ -127,19 +129,39 @@ def test_attention_decode(gen, d, nh, nkv, L, splits):
     check(Case(gen, d, nh, nkv, L - 1, MAX_CTX // PAGE, splits))
 
 
-@pytest.mark.parametrize("min_pps", ["1", "3", "64"])
+@pytest.mark.parametrize("min_pps", [0, 1, 2, 3, 64, 8192])
 @pytest.mark.parametrize("L", [17, 49, 1000, MAX_CTX])
-def test_split_sizing_policies(gen, monkeypatch, min_pps, L):
-    """The minimum-pages-per-split knob (read at every launch) changes only the summation
-    order: every setting matches the references."""
-    monkeypatch.setenv("NANOQWEN_ATTN_MIN_PPS", min_pps)
-    check(Case(gen, 128, 28, 4, L - 1, MAX_CTX // PAGE, 66))
+def test_split_sizing_policies(gen, min_pps, L):
+    """The min_pps argument (minimum pages per split; 0 = the default 2) changes only the
+    summation order: every setting matches the references. And the kernel really used it:
+    exactly the active splits write their ws_ml slot, n_active = ceil(pages / pps) with
+    pps = max(ceil(pages / 66), min_pps), so the slots left NaN show the policy it ran."""
+    c = Case(gen, 128, 28, 4, L - 1, MAX_CTX // PAGE, 66, min_pps)
+    check(c)
+    ws = c.ws()
+    c.fused(ws=ws)
+    pages = -(-L // PAGE)
+    pps = max(-(-pages // 66), min_pps or 2)
+    n_active = -(-pages // pps)
+    written = ~ws[1].isnan().any(-1)  # [nh, splits]
+    assert written[:, :n_active].all() and not written[:, n_active:].any()
+
+
+def test_min_pps_fixed_per_call_in_one_process(gen):
+    """Policies switched between calls in one process (what bench_attention's sweep does):
+    each call uses its own argument (the op keeps no per-process copy of it)."""
+    c = Case(gen, 128, 28, 4, MAX_CTX - 1, MAX_CTX // PAGE, 66)
+    for min_pps, n_active in [(1, 64), (64, 2), (1, 64), (0, 64)]:
+        c.min_pps = min_pps
+        ws = c.ws()
+        c.fused(ws=ws)
+        assert int((~ws[1].isnan().any(-1))[0].sum()) == n_active, min_pps
 
 
 def test_repeat_and_graph_bitwise(gen):
     """Two eager calls and a CUDA-graph replay give the same bits (the merge order is fixed,
-    whichever split block finishes last)."""
-    c = Case(gen, 128, 28, 4, 777, MAX_CTX // PAGE, 66)
+    whichever split block finishes last); the graph keeps the min_pps it was captured with."""
+    c = Case(gen, 128, 28, 4, 777, MAX_CTX // PAGE, 66, min_pps=3)
     a, kc, vc, counters = c.fused()
     b, _, _, _ = c.fused(kc, vc, counters)  # same cache again: slot pos rewritten identically
     assert torch.equal(a, b)
@@ -150,7 +172,8 @@ def test_repeat_and_graph_bitwise(gen):
     with torch.cuda.stream(s):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=s):
-            ops().attention_decode(out, *ws, counters, c.qkv, kc, vc, c.cos, c.sin, c.table, c.pos)
+            ops().attention_decode(out, *ws, counters, c.qkv, kc, vc, c.cos, c.sin, c.table, c.pos,
+                                   c.min_pps)
     torch.cuda.current_stream().wait_stream(s)
     for _ in range(3):
         out.fill_(float("nan"))
@@ -209,7 +232,8 @@ def test_bad_arguments_raise_with_numbers():
     table = torch.zeros(4, dtype=torch.int32, device="cuda")
     pos = torch.zeros(1, dtype=torch.int32, device="cuda")
 
-    def call(out=None, ws_acc=None, ws_ml=None, counters=None, qkv=None, k=kc, cs=cos, tab=table):
+    def call(out=None, ws_acc=None, ws_ml=None, counters=None, qkv=None, k=kc, cs=cos, tab=table,
+             min_pps=0):
         out = torch.empty(nh, d, device="cuda").half() if out is None else out
         ws_acc = torch.empty(nh, 3, d, device="cuda") if ws_acc is None else ws_acc
         ws_ml = torch.empty(nh, 3, 2, device="cuda") if ws_ml is None else ws_ml
@@ -217,9 +241,14 @@ def test_bad_arguments_raise_with_numbers():
             else counters
         qkv = torch.zeros(1, (nh + 2 * nkv) * d, device="cuda").half() if qkv is None else qkv
         ops().attention_decode(out, ws_acc, ws_ml, counters, qkv, k, k.clone(), cs, cs.clone(),
-                               tab, pos)
+                               tab, pos, min_pps)
 
     call()  # the baseline is valid
+    call(min_pps=8192)
+    for bad in (-1, 8193, 2**31):
+        with pytest.raises(RuntimeError, match=rf"min_pps={bad} must be 0 \(the default, 2 KV "
+                                               r"pages per split\) or 1 to 8192"):
+            call(min_pps=bad)
     with pytest.raises(RuntimeError, match=r"qkv has 4607 elements, expected .* = 4608"):
         call(qkv=torch.zeros(4607, device="cuda").half())
     with pytest.raises(RuntimeError, match=r"counters has shape \[3\], expected \[4\]"):

@@ -118,6 +118,17 @@ def test_teacher_forced_7b_shapes():
         torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("min_pps", ["1", "64"])
+def test_attn_min_pps_switch_reaches_the_step(monkeypatch, min_pps):
+    """NANOQWEN_ATTN_MIN_PPS is read by engine/switches.py at backend init and handed to every
+    attention_decode launch of the step as its min_pps argument (graph and eager alike);
+    another split sizing changes only the summation order, so the oracle still agrees."""
+    monkeypatch.setenv("NANOQWEN_ATTN_MIN_PPS", min_pps)
+    ref, cuda = make_pair(helpers.TINY_UNTIED)
+    assert cuda.attn_min_pps == int(min_pps)
+    check_teacher_forced(ref, cuda)
+
+
 def gen_tokens(backend, prompt, params=GREEDY, n=64, **kw):
     return [e.token_id for e in backend.generate(prompt, params, n, **kw)]
 

@@ -74,7 +74,8 @@ def _run_attention_decode() -> int:
         f = torch.arange(pages * page, device="cuda").float()[:, None] * inv[None]
         cos, sin = f.cos().contiguous(), f.sin().contiguous()
         pos = torch.tensor([L - 1], dtype=torch.int32, device="cuda")
-        for splits in (1, 3, 8):
+        # min_pps 2 is the engine's default; 1 at 8 splits runs 8 one-page splits into the merge
+        for splits, min_pps in ((1, 2), (3, 2), (8, 2), (8, 1)):
             ws = torch.empty(nh, splits, d, device="cuda"), torch.empty(nh, splits, 2, device="cuda")
             k2, v2 = kc.clone(), vc.clone()
             q = torch.empty(1, nh, d, device="cuda").half()
@@ -84,11 +85,11 @@ def _run_attention_decode() -> int:
             k1, v1 = kc.clone(), vc.clone()
             cnt = torch.zeros(nkv, dtype=torch.int32, device="cuda")
             out = torch.empty(nh, d, device="cuda").half()
-            ops.attention_decode(out, *ws, cnt, qkv, k1, v1, cos, sin, table, pos)
+            ops.attention_decode(out, *ws, cnt, qkv, k1, v1, cos, sin, table, pos, min_pps)
             err = float((out.float() - ref.float()).abs().max())
             same = bool(torch.equal(k1, k2) and torch.equal(v1, v2))
-            print(f"d={d} nh={nh} nkv={nkv} L={L} splits={splits}: max err {err:.2e} "
-                  f"cache equal {same} counters {cnt.tolist()}")
+            print(f"d={d} nh={nh} nkv={nkv} L={L} splits={splits} min_pps={min_pps}: "
+                  f"max err {err:.2e} cache equal {same} counters {cnt.tolist()}")
             ok &= err < 2e-3 and same and int(cnt.abs().sum()) == 0
     torch.cuda.synchronize()
     return 0 if ok else 1
