@@ -53,7 +53,7 @@ def main() -> None:
             be.qkv, xn, layers[i % nl].qkv_qw, layers[i % nl].qkv_sc, layers[i % nl].qkv_b)),
         ("attention_decode", nl, lambda i: o.attention_decode(
             be.attn, be.ws_acc, be.ws_ml, be.attn_counters, be.qkv, be.k_layers[i % nl],
-            be.v_layers[i % nl], be.cos, be.sin, be.page_table, be.pos)),
+            be.v_layers[i % nl], be.cos, be.sin, be.page_table, be.pos, be.attn_min_pps)),
         ("gemv_int4_residual o", nl, lambda i: o.gemv_int4_residual(
             be.hidden, be.attn, layers[i % nl].o_qw, layers[i % nl].o_sc)),
         ("gemv_int4_silu_mul", nl, lambda i: o.gemv_int4_silu_mul(
