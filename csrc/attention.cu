@@ -260,16 +260,6 @@ constexpr int kDecThreads = kDecWarps * 32;
 constexpr int kDecStages = 4;       // K/V pages in the shared-memory ring (3 in flight)
 constexpr float kNegBig = -1e30f;   // finite "minus infinity" for running maxima
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 __device__ __forceinline__ void half8_to_float(float (&f)[8], uint4 u) {
   const half2* h = reinterpret_cast<const half2*>(&u);
 #pragma unroll

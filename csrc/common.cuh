@@ -100,6 +100,25 @@ __device__ __forceinline__ uint4 ld_weights(const uint4* p) {
   return v;
 }
 
+// cp.async (LDGSTS) of 16 bytes global -> shared, bypassing L1 (.cg); L2_256 adds the
+// .L2::256B prefetch hint. Completion per thread: cp_async_commit() closes a group,
+// cp_async_wait<N>() returns once at most N of this thread's groups are pending; other threads'
+// copies need a barrier (__syncwarp / __syncthreads) after that before they are read.
+// Used by the attention page ring and the v5 GEMV weight ring.
+template <bool L2_256 = false>
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if constexpr (L2_256)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // HF rotate_half of the pair (a, b) = (x[d], x[d + D/2]) by (c, s) in fp32, with explicit
 // roundings so the result cannot depend on how the compiler contracts it. rope_kv_write
 // (prefill) and attention_decode (decode) both use it, so they rotate q and k bit for bit alike.

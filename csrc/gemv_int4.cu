@@ -790,20 +790,6 @@ __global__ void __launch_bounds__(256) dequant_int4_kernel(half* w, const uint4*
 // fragment reads (rows g and g+1 in one quarter-warp phase) hit different banks.
 // PF: cp.async with the .L2::256B prefetch hint (the L2 fetches the 256-byte block around each
 // 16-byte copy: the next stage's bytes of the row are already on their way).
-template <bool PF>
-__device__ __forceinline__ void cp_async16_w(void* smem, const void* gmem) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  if constexpr (PF)
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-  else
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit_w() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait_w() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 template <int GPS>
 __device__ __forceinline__ int ring_swz(int col, int row) {
   return (GPS % 2 == 0) ? (col ^ ((row & 1) << 2)) : col;
@@ -863,10 +849,10 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
         const uint4* src = reinterpret_cast<const uint4*>(m ? a.qw2 : a.qw) + st * RC;
 #pragma unroll
         for (int i = 0; i < CPL; ++i)
-          if (st * GPS + gcol[i] < cnt) cp_async16_w<PF>(dst + m * 16 * RC + soff[i], src + goff[i]);
+          if (st * GPS + gcol[i] < cnt) nanoqwen::cp_async16<PF>(dst + m * 16 * RC + soff[i], src + goff[i]);
       }
     }
-    cp_async_commit_w();  // always: keeps the group count uniform for wait_group below
+    nanoqwen::cp_async_commit();  // always: keeps the group count uniform for wait_group below
   };
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) issue(st);
@@ -918,7 +904,7 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
   for (int m = 0; m < NM; ++m) acc[m][0] = acc[m][1] = 0.f;
   const uint32_t kLo = 0x64006400u;
   for (int st = 0; st < nst; ++st) {
-    cp_async_wait_w<S - 2>();  // this lane's copies of stage st have landed
+    nanoqwen::cp_async_wait<S - 2>();  // this lane's copies of stage st have landed
     __syncwarp();              // ... and every lane's; stage st-1's slot is no longer read
     issue(st + S - 1);
     const uint4* slot = ring + (st % S) * SLOT;
@@ -980,7 +966,7 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
       }
     }
   }
-  cp_async_wait_w<0>();  // only empty groups are left; drain anyway before the block exits
+  nanoqwen::cp_async_wait<0>();  // only empty groups are left; drain anyway before the block exits
 
   // split-K: partial sums of the KS warps meet in shared memory, summed in warp order
   if (t == 0) {
