@@ -280,6 +280,98 @@ __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// DQ_CORR's per-group offset K = -(1032 * sum(x at lo positions) + 72 * sum(x at hi positions)),
+// the same for every row: two mma chains with a constant A = -1032 (one constant register quad).
+// 0 for DQ_EXACT. xv: lane t's x of the group, in staged order.
+template <int DQ>
+__device__ __forceinline__ float group_corr(const uint4 (&xv)[4]) {
+  if constexpr (DQ == DQ_CORR) {
+    const uint32_t nlo = 0xE408E408u;  // half2(-1032, -1032)
+    float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      mma16816(c0, nlo, nlo, nlo, nlo, xv[j].x, xv[j].y);
+      mma16816(c1, nlo, nlo, nlo, nlo, xv[j].z, xv[j].w);
+    }
+    return fmaf(c1[0], 72.f / 1032.f, c0[0]);
+  } else {
+    return 0.f;
+  }
+}
+
+// One group of one 16-row tile: va / vb = lane t's 16-byte chunk of rows g / g+8, xv its x
+// (staged order), kc = group_corr(xv). Returns the dot products of rows g and g+8 over the
+// group, before the group scale (8 mmas, the dequant of the notes above).
+template <int DQ>
+__device__ __forceinline__ float2 group_dot(const uint4& va, const uint4& vb, const uint4 (&xv)[4],
+                                            float kc) {
+  const uint32_t kLo = 0x64006400u;
+  float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+  const uint32_t wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t a8 = wa[j] >> 8, b8 = wb[j] >> 8;
+    uint32_t alo0 = lop3_and_or(wa[j], 0x000F000Fu, kLo), ahi0 = lop3_and_or(wa[j], 0x00F000F0u, kLo);
+    uint32_t alo1 = lop3_and_or(a8, 0x000F000Fu, kLo), ahi1 = lop3_and_or(a8, 0x00F000F0u, kLo);
+    uint32_t blo0 = lop3_and_or(wb[j], 0x000F000Fu, kLo), bhi0 = lop3_and_or(wb[j], 0x00F000F0u, kLo);
+    uint32_t blo1 = lop3_and_or(b8, 0x000F000Fu, kLo), bhi1 = lop3_and_or(b8, 0x00F000F0u, kLo);
+    if constexpr (DQ == DQ_CORR) {
+      mma16816(d0, alo0, blo0, alo1, blo1, xv[j].x, xv[j].y);
+      mma16816(d1, ahi0, bhi0, ahi1, bhi1, xv[j].z, xv[j].w);
+    } else {
+      const half2 k1032 = as_h2(0x64086408u), k16 = as_h2(0x2C002C00u), k72 = as_h2(0xD480D480u);
+      auto lo = [&](uint32_t v) { const half2 q = __hsub2(as_h2(v), k1032); return *reinterpret_cast<const uint32_t*>(&q); };
+      auto hi = [&](uint32_t v) { const half2 q = __hfma2(as_h2(v), k16, k72); return *reinterpret_cast<const uint32_t*>(&q); };
+      mma16816(d0, lo(alo0), lo(blo0), hi(ahi0), hi(bhi0), xv[j].x, xv[j].y);
+      mma16816(d1, lo(alo1), lo(blo1), hi(ahi1), hi(bhi1), xv[j].z, xv[j].w);
+    }
+  }
+  const float f1 = DQ == DQ_CORR ? 0.0625f : 1.f;
+  return make_float2(fmaf(d1[0], f1, d0[0]) + kc, fmaf(d1[2], f1, d0[2]) + kc);
+}
+
+// Split-K epilogue of the tensor-core kernels: the KS warps' partial sums (acc[m][r][0/1] = rows
+// g, g+8 of tile r of matrix m, held by the lanes with t == 0) meet in shared memory `red`
+// (KS*NM*RT*16 floats) and are summed in warp order (deterministic); one thread per row applies
+// the op. Contains a block barrier: every thread of the block calls it.
+template <int NM, int RT, int KS, int OP>
+__device__ __forceinline__ void splitk_store(const Args& a, float* red, const float (&acc)[NM][RT][2],
+                                             int s, int g, int t, int row0) {
+  if (t == 0) {
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        red[((s * NM + m) * RT + r) * 16 + g] = acc[m][r][0];
+        red[((s * NM + m) * RT + r) * 16 + g + 8] = acc[m][r][1];
+      }
+  }
+  __syncthreads();
+  const int tid = threadIdx.x;
+  if (tid < 16 * RT) {
+    const int row = row0 + tid;
+    if (row < a.n) {
+      float v[NM];
+#pragma unroll
+      for (int m = 0; m < NM; ++m) {
+        v[m] = 0.f;
+#pragma unroll
+        for (int w = 0; w < KS; ++w) v[m] += red[(w * NM + m) * RT * 16 + tid];
+      }
+      if constexpr (OP == OP_STORE) {
+        float y = v[0];
+        if (a.bias) y += __half2float(a.bias[row]);
+        static_cast<half*>(a.out)[row] = __float2half_rn(y);
+      } else if constexpr (OP == OP_RESID) {
+        static_cast<float*>(a.out)[row] += v[0];
+      } else {
+        const float gt = v[0], up = v[NM - 1];
+        static_cast<half*>(a.out)[row] = __float2half_rn(gt / (1.f + __expf(-gt)) * up);
+      }
+    }
+  }
+}
+
 template <int NM, int RT, int KS, int D, int DQ, int OP>
 // at least 16 warps per SM (<= 128 registers): enough warps to hide the mma and load latencies
 __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tc_kernel(const Args a) {
@@ -353,7 +445,6 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tc_
 #pragma unroll
     for (int r = 0; r < RT; ++r) acc[m][r][0] = acc[m][r][1] = 0.f;
 
-  const uint32_t kLo = 0x64006400u;
   for (int i0 = 0; i0 < cnt; i0 += D) {
 #pragma unroll
     for (int d = 0; d < D; ++d) {
@@ -363,90 +454,22 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tc_
         uint4 xv[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) xv[j] = xs[gi * 16 + j * 4 + t];
-        // DQ_CORR: K = -(1032 * sum(x at lo positions) + 72 * sum(x at hi positions)), the same
-        // for every row: two mma chains with a constant A = -1032 (one constant register quad)
-        float kc = 0.f;
-        if constexpr (DQ == DQ_CORR) {
-          const uint32_t nlo = 0xE408E408u;  // half2(-1032, -1032)
-          float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            mma16816(c0, nlo, nlo, nlo, nlo, xv[j].x, xv[j].y);
-            mma16816(c1, nlo, nlo, nlo, nlo, xv[j].z, xv[j].w);
-          }
-          kc = fmaf(c1[0], 72.f / 1032.f, c0[0]);
-        }
+        const float kc = group_corr<DQ>(xv);
 #pragma unroll
         for (int m = 0; m < NM; ++m)
 #pragma unroll
           for (int r = 0; r < RT; ++r) {
-            float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-            const uint32_t wa[4] = {wv[d][m][r][0].x, wv[d][m][r][0].y, wv[d][m][r][0].z,
-                                    wv[d][m][r][0].w};
-            const uint32_t wb[4] = {wv[d][m][r][1].x, wv[d][m][r][1].y, wv[d][m][r][1].z,
-                                    wv[d][m][r][1].w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const uint32_t a8 = wa[j] >> 8, b8 = wb[j] >> 8;
-              uint32_t alo0 = lop3_and_or(wa[j], 0x000F000Fu, kLo), ahi0 = lop3_and_or(wa[j], 0x00F000F0u, kLo);
-              uint32_t alo1 = lop3_and_or(a8, 0x000F000Fu, kLo), ahi1 = lop3_and_or(a8, 0x00F000F0u, kLo);
-              uint32_t blo0 = lop3_and_or(wb[j], 0x000F000Fu, kLo), bhi0 = lop3_and_or(wb[j], 0x00F000F0u, kLo);
-              uint32_t blo1 = lop3_and_or(b8, 0x000F000Fu, kLo), bhi1 = lop3_and_or(b8, 0x00F000F0u, kLo);
-              if constexpr (DQ == DQ_CORR) {
-                mma16816(d0, alo0, blo0, alo1, blo1, xv[j].x, xv[j].y);
-                mma16816(d1, ahi0, bhi0, ahi1, bhi1, xv[j].z, xv[j].w);
-              } else {
-                const half2 k1032 = as_h2(0x64086408u), k16 = as_h2(0x2C002C00u), k72 = as_h2(0xD480D480u);
-                auto lo = [&](uint32_t v) { const half2 q = __hsub2(as_h2(v), k1032); return *reinterpret_cast<const uint32_t*>(&q); };
-                auto hi = [&](uint32_t v) { const half2 q = __hfma2(as_h2(v), k16, k72); return *reinterpret_cast<const uint32_t*>(&q); };
-                mma16816(d0, lo(alo0), lo(blo0), hi(ahi0), hi(bhi0), xv[j].x, xv[j].y);
-                mma16816(d1, lo(alo1), lo(blo1), hi(ahi1), hi(bhi1), xv[j].z, xv[j].w);
-              }
-            }
-            const float f1 = DQ == DQ_CORR ? 0.0625f : 1.f;
+            const float2 dd = group_dot<DQ>(wv[d][m][r][0], wv[d][m][r][1], xv, kc);
             const float2 sc2 = __half22float2(ss[(i * NM + m) * RT * 8 + r * 8 + g]);
-            acc[m][r][0] = fmaf(sc2.x, fmaf(d1[0], f1, d0[0]) + kc, acc[m][r][0]);
-            acc[m][r][1] = fmaf(sc2.y, fmaf(d1[2], f1, d0[2]) + kc, acc[m][r][1]);
+            acc[m][r][0] = fmaf(sc2.x, dd.x, acc[m][r][0]);
+            acc[m][r][1] = fmaf(sc2.y, dd.y, acc[m][r][1]);
           }
         if (i + D < cnt) load(d);
       }
     }
   }
 
-  // split-K: partial sums of the KS warps meet in shared memory, summed in warp order
-  if (t == 0) {
-#pragma unroll
-    for (int m = 0; m < NM; ++m)
-#pragma unroll
-      for (int r = 0; r < RT; ++r) {
-        red[((s * NM + m) * RT + r) * 16 + g] = acc[m][r][0];
-        red[((s * NM + m) * RT + r) * 16 + g + 8] = acc[m][r][1];
-      }
-  }
-  __syncthreads();
-  const int tid = threadIdx.x;
-  if (tid < 16 * RT) {
-    const int row = row0 + tid;
-    if (row < a.n) {
-      float v[NM];
-#pragma unroll
-      for (int m = 0; m < NM; ++m) {
-        v[m] = 0.f;
-#pragma unroll
-        for (int w = 0; w < KS; ++w) v[m] += red[(w * NM + m) * RT * 16 + tid];
-      }
-      if constexpr (OP == OP_STORE) {
-        float y = v[0];
-        if (a.bias) y += __half2float(a.bias[row]);
-        static_cast<half*>(a.out)[row] = __float2half_rn(y);
-      } else if constexpr (OP == OP_RESID) {
-        static_cast<float*>(a.out)[row] += v[0];
-      } else {
-        const float gt = v[0], up = v[NM - 1];
-        static_cast<half*>(a.out)[row] = __float2half_rn(gt / (1.f + __expf(-gt)) * up);
-      }
-    }
-  }
+  splitk_store<NM, RT, KS, OP>(a, red, acc, s, g, t, row0);
 }
 
 // ---- v4: persistent streaming kernel (ps_* variants) -------------------------------------------
@@ -899,10 +922,9 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
     }
   }
 
-  float acc[NM][2];
+  float acc[NM][1][2];
 #pragma unroll
-  for (int m = 0; m < NM; ++m) acc[m][0] = acc[m][1] = 0.f;
-  const uint32_t kLo = 0x64006400u;
+  for (int m = 0; m < NM; ++m) acc[m][0][0] = acc[m][0][1] = 0.f;
   for (int st = 0; st < nst; ++st) {
     nanoqwen::cp_async_wait<S - 2>();  // this lane's copies of stage st have landed
     __syncwarp();              // ... and every lane's; stage st-1's slot is no longer read
@@ -923,83 +945,22 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
             xv[j] = xs[gi * 16 + j * 4 + t];
           }
         }
-        float kc = 0.f;
-        if constexpr (DQ == DQ_CORR) {
-          const uint32_t nlo = 0xE408E408u;  // half2(-1032, -1032)
-          float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            mma16816(c0, nlo, nlo, nlo, nlo, xv[j].x, xv[j].y);
-            mma16816(c1, nlo, nlo, nlo, nlo, xv[j].z, xv[j].w);
-          }
-          kc = fmaf(c1[0], 72.f / 1032.f, c0[0]);
-        }
+        const float kc = group_corr<DQ>(xv);
 #pragma unroll
         for (int m = 0; m < NM; ++m) {
-          const uint4 va = slot[(m * 16 + g) * RC + ring_swz<GPS>(4 * jj + t, g)];
-          const uint4 vb = slot[(m * 16 + g + 8) * RC + ring_swz<GPS>(4 * jj + t, g + 8)];
-          float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-          const uint32_t wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const uint32_t a8 = wa[j] >> 8, b8 = wb[j] >> 8;
-            uint32_t alo0 = lop3_and_or(wa[j], 0x000F000Fu, kLo), ahi0 = lop3_and_or(wa[j], 0x00F000F0u, kLo);
-            uint32_t alo1 = lop3_and_or(a8, 0x000F000Fu, kLo), ahi1 = lop3_and_or(a8, 0x00F000F0u, kLo);
-            uint32_t blo0 = lop3_and_or(wb[j], 0x000F000Fu, kLo), bhi0 = lop3_and_or(wb[j], 0x00F000F0u, kLo);
-            uint32_t blo1 = lop3_and_or(b8, 0x000F000Fu, kLo), bhi1 = lop3_and_or(b8, 0x00F000F0u, kLo);
-            if constexpr (DQ == DQ_CORR) {
-              mma16816(d0, alo0, blo0, alo1, blo1, xv[j].x, xv[j].y);
-              mma16816(d1, ahi0, bhi0, ahi1, bhi1, xv[j].z, xv[j].w);
-            } else {
-              const half2 k1032 = as_h2(0x64086408u), k16 = as_h2(0x2C002C00u), k72 = as_h2(0xD480D480u);
-              auto lo = [&](uint32_t v) { const half2 q = __hsub2(as_h2(v), k1032); return *reinterpret_cast<const uint32_t*>(&q); };
-              auto hi = [&](uint32_t v) { const half2 q = __hfma2(as_h2(v), k16, k72); return *reinterpret_cast<const uint32_t*>(&q); };
-              mma16816(d0, lo(alo0), lo(blo0), hi(ahi0), hi(bhi0), xv[j].x, xv[j].y);
-              mma16816(d1, lo(alo1), lo(blo1), hi(ahi1), hi(bhi1), xv[j].z, xv[j].w);
-            }
-          }
-          const float f1 = DQ == DQ_CORR ? 0.0625f : 1.f;
+          const float2 dd = group_dot<DQ>(slot[(m * 16 + g) * RC + ring_swz<GPS>(4 * jj + t, g)],
+                                          slot[(m * 16 + g + 8) * RC + ring_swz<GPS>(4 * jj + t, g + 8)],
+                                          xv, kc);
           const float2 sc2 = __half22float2(ss[(i * NM + m) * 8 + g]);
-          acc[m][0] = fmaf(sc2.x, fmaf(d1[0], f1, d0[0]) + kc, acc[m][0]);
-          acc[m][1] = fmaf(sc2.y, fmaf(d1[2], f1, d0[2]) + kc, acc[m][1]);
+          acc[m][0][0] = fmaf(sc2.x, dd.x, acc[m][0][0]);
+          acc[m][0][1] = fmaf(sc2.y, dd.y, acc[m][0][1]);
         }
       }
     }
   }
   nanoqwen::cp_async_wait<0>();  // only empty groups are left; drain anyway before the block exits
 
-  // split-K: partial sums of the KS warps meet in shared memory, summed in warp order
-  if (t == 0) {
-#pragma unroll
-    for (int m = 0; m < NM; ++m) {
-      red[(s * NM + m) * 16 + g] = acc[m][0];
-      red[(s * NM + m) * 16 + g + 8] = acc[m][1];
-    }
-  }
-  __syncthreads();
-  const int tid = threadIdx.x;
-  if (tid < 16) {
-    const int row = row0 + tid;
-    if (row < a.n) {
-      float v[NM];
-#pragma unroll
-      for (int m = 0; m < NM; ++m) {
-        v[m] = 0.f;
-#pragma unroll
-        for (int w = 0; w < KS; ++w) v[m] += red[(w * NM + m) * 16 + tid];
-      }
-      if constexpr (OP == OP_STORE) {
-        float y = v[0];
-        if (a.bias) y += __half2float(a.bias[row]);
-        static_cast<half*>(a.out)[row] = __float2half_rn(y);
-      } else if constexpr (OP == OP_RESID) {
-        static_cast<float*>(a.out)[row] += v[0];
-      } else {
-        const float gt = v[0], up = v[NM - 1];
-        static_cast<half*>(a.out)[row] = __float2half_rn(gt / (1.f + __expf(-gt)) * up);
-      }
-    }
-  }
+  splitk_store<NM, 1, KS, OP>(a, red, acc, s, g, t, row0);
 }
 
 // ---- variants ---------------------------------------------------------------------------------
