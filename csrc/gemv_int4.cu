@@ -330,6 +330,22 @@ __device__ __forceinline__ float2 group_dot(const uint4& va, const uint4& vb, co
   return make_float2(fmaf(d1[0], f1, d0[0]) + kc, fmaf(d1[2], f1, d0[2]) + kc);
 }
 
+// One output row from its fp32 sum(s): store (+bias, rounded to half), residual add (fp32), or
+// silu(gate) * up (rounded to half). Every kernel family ends in it.
+template <int OP>
+__device__ __forceinline__ void emit_row(const Args& a, int row, const float (&v)[OP == OP_SILU ? 2 : 1]) {
+  if constexpr (OP == OP_STORE) {
+    float y = v[0];
+    if (a.bias) y += __half2float(a.bias[row]);
+    static_cast<half*>(a.out)[row] = __float2half_rn(y);
+  } else if constexpr (OP == OP_RESID) {
+    static_cast<float*>(a.out)[row] += v[0];
+  } else {
+    const float g = v[0], u = v[1];
+    static_cast<half*>(a.out)[row] = __float2half_rn(g / (1.f + __expf(-g)) * u);
+  }
+}
+
 // Split-K epilogue of the tensor-core kernels: the KS warps' partial sums (acc[m][r][0/1] = rows
 // g, g+8 of tile r of matrix m, held by the lanes with t == 0) meet in shared memory `red`
 // (KS*NM*RT*16 floats) and are summed in warp order (deterministic); one thread per row applies
@@ -358,16 +374,7 @@ __device__ __forceinline__ void splitk_store(const Args& a, float* red, const fl
 #pragma unroll
         for (int w = 0; w < KS; ++w) v[m] += red[(w * NM + m) * RT * 16 + tid];
       }
-      if constexpr (OP == OP_STORE) {
-        float y = v[0];
-        if (a.bias) y += __half2float(a.bias[row]);
-        static_cast<half*>(a.out)[row] = __float2half_rn(y);
-      } else if constexpr (OP == OP_RESID) {
-        static_cast<float*>(a.out)[row] += v[0];
-      } else {
-        const float gt = v[0], up = v[NM - 1];
-        static_cast<half*>(a.out)[row] = __float2half_rn(gt / (1.f + __expf(-gt)) * up);
-      }
+      emit_row<OP>(a, row, v);
     }
   }
 }
@@ -620,19 +627,6 @@ __device__ __forceinline__ float chunk_dot_v4(const uint4& wv, const uint4 (&xp)
   return (r0 + r1) * __half2float(s);
 }
 
-template <int OP>
-__device__ __forceinline__ void emit_row(const Args& a, int row, const float (&v)[OP == OP_SILU ? 2 : 1]) {
-  if constexpr (OP == OP_STORE) {
-    float y = v[0];
-    if (a.bias) y += __half2float(a.bias[row]);
-    static_cast<half*>(a.out)[row] = __float2half_rn(y);
-  } else if constexpr (OP == OP_RESID) {
-    static_cast<float*>(a.out)[row] += v[0];
-  } else {
-    const float g = v[0], u = v[1];
-    static_cast<half*>(a.out)[row] = __float2half_rn(g / (1.f + __expf(-g)) * u);
-  }
-}
 
 // shared memory: x (k*2 bytes), partials float[W][2][NM], scratch float[32]
 constexpr int ps_smem_bytes(int k, int warps, int nm) { return k * 2 + (warps * 2 * nm + 32) * 4; }
