@@ -171,6 +171,78 @@ def test_int4_store_and_silu_large_x(gen):
         assert scaled_err(out, want, scale) < TOL_HALF
 
 
+@pytest.mark.parametrize("n,k", [(4, 128), (100, 384), (3584, 3584), (3584, 18944), (896, 4864),
+                                 (5120, 27648)])
+def test_gemv_int4_residual_norm(gen, n, k):
+    """hidden += W x, then the grid's last block writes xn = RMSNorm(updated hidden) (the decode
+    step's NANOQWEN_FUSE_NORM=2 path). hidden must equal the plain residual launcher's bit for
+    bit (same main loop); xn must equal the rmsnorm kernel's on that hidden within one fp16
+    rounding (the sum of squares is reduced in another order, so r may differ in its last fp32
+    bits) and the fp64 RMSNorm within 1e-3 (fp16 output rounding, 2^-11, with room); the
+    counter must come back 0, so the second call (same counter) is checked too."""
+    qw, sc, _ = make_int4(n, k, gen)
+    x = torch.randn(k, generator=gen, device="cuda").half()
+    h0, nw = make_hidden(n, gen)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for _ in range(2):
+        h_plain = h0.clone()
+        ops().gemv_int4_residual(h_plain, x, qw, sc)
+        h = h0.clone()
+        xn = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
+        ops().gemv_int4_residual_norm(h, x, qw, sc, xn, nw, EPS, counter)
+        assert torch.equal(h, h_plain)
+        assert int(counter.item()) == 0
+        want = torch.empty(1, n, dtype=torch.float16, device="cuda")
+        ops().rmsnorm(want, h.view(1, n), nw, EPS)
+        torch.testing.assert_close(xn.float(), want[0].float(), rtol=2 ** -10, atol=1e-6)
+        assert rel_err(xn, norm_ref(h, nw)) < 1e-3
+        h0 = h  # the next call continues from the updated residual
+
+
+def test_embed_gather_norm(gen):
+    """embed_gather + the first layer's RMSNorm in one launch: hidden is the table rows exactly
+    (ids clamped as embed_gather clamps them), xn the rmsnorm kernel's within one fp16 rounding."""
+    V, H = 1000, 3584
+    table = (torch.randn(V, H, generator=gen, device="cuda") * 0.05).half()
+    nw = (torch.rand(H, generator=gen, device="cuda") * 2 + 0.2).half()
+    ids = torch.tensor([7, 999, -5, 5000], dtype=torch.int32, device="cuda")
+    hidden = torch.full((4, H), float("nan"), device="cuda")
+    xn = torch.full((4, H), float("nan"), dtype=torch.float16, device="cuda")
+    ops().embed_gather_norm(hidden, xn, table, ids, nw, EPS)
+    plain = torch.empty(4, H, device="cuda")
+    ops().embed_gather(plain, table, ids)
+    assert torch.equal(hidden, plain)
+    want = torch.empty(4, H, dtype=torch.float16, device="cuda")
+    ops().rmsnorm(want, hidden, nw, EPS)
+    torch.testing.assert_close(xn.float(), want.float(), rtol=2 ** -10, atol=1e-6)
+
+
+def test_norm_epilogue_bad_args_raise_with_numbers():
+    dev = "cuda"
+    qw = torch.zeros(8, 32, dtype=torch.int32, device=dev)  # n = 8, k = 256
+    sc = torch.ones(8, 2, dtype=torch.float16, device=dev)
+    x = torch.zeros(256, dtype=torch.float16, device=dev)
+    h = torch.zeros(8, device=dev)
+    nw = torch.ones(8, dtype=torch.float16, device=dev)
+    xn = torch.empty(8, dtype=torch.float16, device=dev)
+    cnt = torch.zeros(1, dtype=torch.int32, device=dev)
+    with pytest.raises(RuntimeError, match="xn has 7 elements, expected n=8"):
+        ops().gemv_int4_residual_norm(h, x, qw, sc, xn[:7], nw, EPS, cnt)
+    with pytest.raises(RuntimeError, match="counter must be Int"):
+        ops().gemv_int4_residual_norm(h, x, qw, sc, xn, nw, EPS, cnt.long())
+    with pytest.raises(RuntimeError, match="eps=0"):
+        ops().gemv_int4_residual_norm(h, x, qw, sc, xn, nw, 0.0, cnt)
+    q6, s6 = torch.zeros(6, 32, dtype=torch.int32, device=dev), torch.ones(6, 2, dtype=torch.float16, device=dev)
+    with pytest.raises(RuntimeError, match="n=6 .* must be a multiple of 4"):
+        ops().gemv_int4_residual_norm(h[:6], x, q6, s6, xn[:6], nw[:6], EPS, cnt)
+    assert int(cnt.item()) == 0  # nothing launched
+    with pytest.raises(RuntimeError, match="xn must be Half"):
+        ops().embed_gather_norm(torch.zeros(1, 256, device=dev), torch.zeros(1, 256, device=dev),
+                                torch.zeros(10, 256, dtype=torch.float16, device=dev),
+                                torch.zeros(1, dtype=torch.int32, device=dev),
+                                torch.ones(256, dtype=torch.float16, device=dev), EPS)
+
+
 def test_fused_bad_shapes_raise_with_numbers():
     dev = "cuda"
     qw = torch.zeros(8, 32, dtype=torch.int32, device=dev)  # k = 256
