@@ -46,24 +46,21 @@ def main() -> None:
     nh, d = cfg.num_attention_heads, cfg.head_dim
     xn = be._xn  # the step's normed-x buffer; a q buffer for the unfused attention pair:
     q = torch.zeros(1, nh, d, dtype=torch.float16, device=be.device)
-    rows = [  # the step's launches (default NANOQWEN_FUSE_NORM=2: norms in the residual GEMVs'
-        # epilogue), count per token
-        ("embed_gather_norm", 1, lambda i: o.embed_gather_norm(
-            be.hidden, xn, be.embed, be.token_in, layers[0].ln1, eps)),
+    rows = [  # the step's launches (default: norms as their own launches), count per token
+        ("embed_gather", 1, lambda i: o.embed_gather(be.hidden, be.embed, be.token_in)),
+        ("rmsnorm", 2 * nl + 1, lambda i: o.rmsnorm(xn, be.hidden, layers[i % nl].ln1, eps)),
         ("gemv_int4 qkv", nl, lambda i: o.gemv_int4(
             be.qkv, xn, layers[i % nl].qkv_qw, layers[i % nl].qkv_sc, layers[i % nl].qkv_b)),
         ("attention_decode", nl, lambda i: o.attention_decode(
             be.attn, be.ws_acc, be.ws_ml, be.attn_counters, be.qkv, be.k_layers[i % nl],
             be.v_layers[i % nl], be.cos, be.sin, be.page_table, be.pos, be.attn_min_pps)),
-        ("gemv_int4_residual_norm o", nl, lambda i: o.gemv_int4_residual_norm(
-            be.hidden, be.attn, layers[i % nl].o_qw, layers[i % nl].o_sc, xn, layers[i % nl].ln2,
-            eps, be.norm_counter)),
+        ("gemv_int4_residual o", nl, lambda i: o.gemv_int4_residual(
+            be.hidden, be.attn, layers[i % nl].o_qw, layers[i % nl].o_sc)),
         ("gemv_int4_silu_mul", nl, lambda i: o.gemv_int4_silu_mul(
             be.act, xn, layers[i % nl].gate_qw, layers[i % nl].gate_sc, layers[i % nl].up_qw,
             layers[i % nl].up_sc)),
-        ("gemv_int4_residual_norm down", nl, lambda i: o.gemv_int4_residual_norm(
-            be.hidden, be.act, layers[i % nl].down_qw, layers[i % nl].down_sc, xn,
-            layers[i % nl].ln1, eps, be.norm_counter)),
+        ("gemv_int4_residual down", nl, lambda i: o.gemv_int4_residual(
+            be.hidden, be.act, layers[i % nl].down_qw, layers[i % nl].down_sc)),
         ("gemv_fp16 lm_head", 1, lambda i: o.gemv_fp16(be.logits, xn, be.lm_head)),
         ("sample_token greedy", 1, lambda i: o.sample_token(
             be.sampled, be.work, be.logits, be.ctx_tokens, be.pos, be.params_f, be.params_i,
@@ -71,14 +68,8 @@ def main() -> None:
         ("advance_step", 1, lambda i: o.advance_step(
             be.token_in, be.pos, be.ctx_tokens, be.counter, be.host_ring, be.sampled)),
     ]
-    other = [  # alternatives, timed the same way, not summed: separate norms (FUSE_NORM=0), the
-        # prologue-fused GEMVs (FUSE_NORM=1) and the session-1 pair attention_decode replaced
-        ("(alt) embed_gather", 1, lambda i: o.embed_gather(be.hidden, be.embed, be.token_in)),
-        ("(alt) rmsnorm", 2 * nl + 1, lambda i: o.rmsnorm(xn, be.hidden, layers[i % nl].ln1, eps)),
-        ("(alt) gemv_int4_residual o", nl, lambda i: o.gemv_int4_residual(
-            be.hidden, be.attn, layers[i % nl].o_qw, layers[i % nl].o_sc)),
-        ("(alt) gemv_int4_residual down", nl, lambda i: o.gemv_int4_residual(
-            be.hidden, be.act, layers[i % nl].down_qw, layers[i % nl].down_sc)),
+    other = [  # alternatives, timed the same way, not summed: the fused-norm GEMVs
+        # (NANOQWEN_FUSE_NORM=1) and the session-1 pair attention_decode replaced
         ("(alt) gemv_int4_norm qkv", nl, lambda i: o.gemv_int4_norm(
             be.qkv, be.hidden, layers[i % nl].ln1, eps, layers[i % nl].qkv_qw,
             layers[i % nl].qkv_sc, layers[i % nl].qkv_b)),

@@ -131,30 +131,6 @@ void embed_gather(Tensor& hidden, const Tensor& table, const Tensor& ids) {
                                           (int)table.size(0), stream_of(hidden)));
 }
 
-void embed_gather_norm(Tensor& hidden, Tensor& xn, const Tensor& table, const Tensor& ids,
-                       const Tensor& norm_w, double eps) {
-  const char* op = "embed_gather_norm";
-  check_arg(op, "hidden", hidden, at::kFloat);
-  check_arg(op, "xn", xn, at::kHalf);
-  check_arg(op, "table", table, at::kHalf);
-  check_arg(op, "ids", ids, at::kInt);
-  check_arg(op, "norm_w", norm_w, at::kHalf);
-  check_dims(op, "table", table, {-1, -1});
-  check_dims(op, "ids", ids, {-1});
-  const int64_t T = ids.size(0), H = table.size(1);
-  check_dims(op, "hidden", hidden, {T, H});
-  check_dims(op, "xn", xn, {T, H});
-  check_dims(op, "norm_w", norm_w, {H});
-  NQ_CHECK(H % 8 == 0, op, ": hidden size ", H, " is not a multiple of 8");
-  NQ_CHECK(eps > 0, op, ": eps=", eps, " must be > 0");
-  for (const Tensor* t : Ts{&xn, &table, &ids, &norm_w}) same_device(op, hidden, *t, "an input");
-  const c10::cuda::CUDAGuard g(hidden.device());
-  check_launch(op, nanoqwen::embed_gather_norm(hidden.data_ptr<float>(), hp(xn), chp(table),
-                                               ids.data_ptr<int32_t>(), chp(norm_w), (int)T,
-                                               (int)H, (int)table.size(0), (float)eps,
-                                               stream_of(hidden)));
-}
-
 void rmsnorm(Tensor& out, const Tensor& hidden, const Tensor& weight, double eps) {
   const char* op = "rmsnorm";
   check_arg(op, "out", out, at::kHalf);
@@ -442,31 +418,6 @@ void gemv_int4_residual(Tensor& hidden, const Tensor& x, const Tensor& qweight,
                                         chp(scales), (int)n, (int)k, stream_of(hidden)), true);
 }
 
-void gemv_int4_residual_norm(Tensor& hidden, const Tensor& x, const Tensor& qweight,
-                             const Tensor& scales, Tensor& xn, const Tensor& norm_w, double eps,
-                             Tensor& counter) {
-  const char* op = "gemv_int4_residual_norm";
-  int64_t n, k;
-  check_int4(op, x, qweight, scales, &n, &k);
-  check_arg(op, "hidden", hidden, at::kFloat);
-  NQ_CHECK(hidden.numel() == n, op, ": hidden has ", hidden.numel(), " elements, expected n=", n);
-  check_arg(op, "xn", xn, at::kHalf);
-  NQ_CHECK(xn.numel() == n, op, ": xn has ", xn.numel(), " elements, expected n=", n);
-  check_arg(op, "norm_w", norm_w, at::kHalf);
-  check_dims(op, "norm_w", norm_w, {n});
-  check_arg(op, "counter", counter, at::kInt);
-  NQ_CHECK(counter.numel() >= 1, op, ": counter must hold one int32");
-  NQ_CHECK(eps > 0, op, ": eps=", eps, " must be > 0");
-  for (const Tensor* t : Ts{&x, &qweight, &scales, &xn, &norm_w, &counter})
-    same_device(op, hidden, *t, "an input");
-  const c10::cuda::CUDAGuard g(hidden.device());
-  check_launch(op, ::gemv_int4_residual_norm(hidden.data_ptr<float>(), chp(x), qw(qweight),
-                                             chp(scales), (int)n, (int)k, hp(xn), chp(norm_w),
-                                             (float)eps, counter.data_ptr<int32_t>(),
-                                             stream_of(hidden)),
-               true);
-}
-
 void gemv_int4_silu_mul(Tensor& out, const Tensor& x, const Tensor& qw_gate, const Tensor& sc_gate,
                         const Tensor& qw_up, const Tensor& sc_up) {
   const char* op = "gemv_int4_silu_mul";
@@ -578,8 +529,6 @@ void dequant_int4(Tensor& w, const Tensor& qweight, const Tensor& scales) {
 TORCH_LIBRARY(nanoqwen, m) {
   // token ids -> fp32 residual rows (decode: T=1 reading the id the last step sampled)
   m.def("embed_gather(Tensor! hidden, Tensor table, Tensor ids) -> ()");
-  m.def("embed_gather_norm(Tensor! hidden, Tensor! xn, Tensor table, Tensor ids, Tensor norm_w, "
-        "float eps) -> ()");
   // fp32 residual rows -> fp16 normed rows (input/post-attention/final norm)
   m.def("rmsnorm(Tensor! out, Tensor hidden, Tensor weight, float eps) -> ()");
   // RoPE on q,k of qkv rows at positions pos.. + write k,v into the layer's 16-token pages
@@ -598,8 +547,6 @@ TORCH_LIBRARY(nanoqwen, m) {
   m.def("gemv_int4(Tensor! y, Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> ()");
   // INT4 GEMV accumulated into the fp32 residual (o_proj, down_proj)
   m.def("gemv_int4_residual(Tensor! hidden, Tensor x, Tensor qweight, Tensor scales) -> ()");
-  m.def("gemv_int4_residual_norm(Tensor! hidden, Tensor x, Tensor qweight, Tensor scales, "
-        "Tensor! xn, Tensor norm_w, float eps, Tensor! counter) -> ()");
   // fused gate/up INT4 GEMV with silu(gate) * up
   m.def("gemv_int4_silu_mul(Tensor! out, Tensor x, Tensor qw_gate, Tensor sc_gate, Tensor qw_up, "
         "Tensor sc_up) -> ()");
@@ -622,7 +569,6 @@ TORCH_LIBRARY(nanoqwen, m) {
 
 TORCH_LIBRARY_IMPL(nanoqwen, CUDA, m) {
   m.impl("embed_gather", &nanoqwen_ops::embed_gather);
-  m.impl("embed_gather_norm", &nanoqwen_ops::embed_gather_norm);
   m.impl("rmsnorm", &nanoqwen_ops::rmsnorm);
   m.impl("rope_kv_write", &nanoqwen_ops::rope_kv_write);
   m.impl("paged_attention", &nanoqwen_ops::paged_attention);
@@ -630,7 +576,6 @@ TORCH_LIBRARY_IMPL(nanoqwen, CUDA, m) {
   m.impl("advance_step", &nanoqwen_ops::advance_step);
   m.impl("gemv_int4", &nanoqwen_ops::gemv_int4);
   m.impl("gemv_int4_residual", &nanoqwen_ops::gemv_int4_residual);
-  m.impl("gemv_int4_residual_norm", &nanoqwen_ops::gemv_int4_residual_norm);
   m.impl("gemv_int4_silu_mul", &nanoqwen_ops::gemv_int4_silu_mul);
   m.impl("gemv_fp16", &nanoqwen_ops::gemv_fp16);
   m.impl("dequant_int4", &nanoqwen_ops::dequant_int4);

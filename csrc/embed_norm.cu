@@ -36,59 +36,6 @@ cudaError_t embed_gather(float* hidden, const half* table, const int32_t* ids, i
   return launch_pdl(embed_gather_kernel, dim3(T), dim3(256), 0, stream, hidden, table, ids, H, vocab);
 }
 
-// embed_gather + the first layer's RMSNorm of the same rows (the decode step's first two
-// launches as one): xn = half(norm_w * (hidden * r)), the rmsnorm kernel's formula; the sum of
-// squares is this block's own fixed-order sum (same order every call). The table row is read
-// twice (the second time from L1/L2); half -> float is exact, so both passes see one value.
-__global__ void __launch_bounds__(256)
-embed_gather_norm_kernel(float* __restrict__ hidden, half* __restrict__ xn,
-                         const half* __restrict__ table, const int32_t* __restrict__ ids,
-                         const half* __restrict__ norm_w, int H, int vocab, float eps) {
-  __shared__ float scratch[32];
-  griddep_wait();  // ids: the previous step's advance_step may be the kernel right before
-  griddep_launch_dependents();
-  const int t = blockIdx.x;
-  int id = ids[t];
-  id = id < 0 ? 0 : (id >= vocab ? vocab - 1 : id);
-  const uint4* src = reinterpret_cast<const uint4*>(table + (size_t)id * H);
-  float4* dst = reinterpret_cast<float4*>(hidden + (size_t)t * H);
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < H / 8; i += blockDim.x) {
-    uint4 u = src[i];
-    const half2* h = reinterpret_cast<const half2*>(&u);
-    float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
-    float2 c = __half22float2(h[2]), d = __half22float2(h[3]);
-    dst[2 * i] = make_float4(a.x, a.y, b.x, b.y);
-    dst[2 * i + 1] = make_float4(c.x, c.y, d.x, d.y);
-    ss += a.x * a.x + a.y * a.y + b.x * b.x + b.y * b.y;
-    ss += c.x * c.x + c.y * c.y + d.x * d.x + d.y * d.y;
-  }
-  const float r = rsqrtf(block_sum(ss, scratch) / (float)H + eps);
-  const uint4* w8 = reinterpret_cast<const uint4*>(norm_w);
-  uint4* o8 = reinterpret_cast<uint4*>(xn + (size_t)t * H);
-  for (int i = threadIdx.x; i < H / 8; i += blockDim.x) {
-    uint4 u = src[i], w = w8[i], o;
-    const half2* h = reinterpret_cast<const half2*>(&u);
-    const half2* wh = reinterpret_cast<const half2*>(&w);
-    half2* oh = reinterpret_cast<half2*>(&o);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 x = __half22float2(h[j]), wf = __half22float2(wh[j]);
-      oh[j] = __floats2half2_rn(wf.x * (x.x * r), wf.y * (x.y * r));
-    }
-    o8[i] = o;
-  }
-}
-
-cudaError_t embed_gather_norm(float* hidden, half* xn, const half* table, const int32_t* ids,
-                              const half* norm_w, int T, int H, int vocab, float eps,
-                              cudaStream_t stream) {
-  if (T <= 0) return cudaSuccess;
-  if (H % 8 || !(eps > 0.f)) return cudaErrorInvalidValue;
-  return launch_pdl(embed_gather_norm_kernel, dim3(T), dim3(256), 0, stream, hidden, xn, table,
-                    ids, norm_w, H, vocab, eps);
-}
-
 // One block per row. Each thread keeps its slice of the row in registers between the
 // sum-of-squares pass and the scaling pass (H <= 8192 fits: 512 threads x 4 x kMaxVec).
 constexpr int kNormThreads = 512;

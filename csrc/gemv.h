@@ -50,16 +50,6 @@ cudaError_t gemv_int4(half* y, const half* x, const uint32_t* qweight, const hal
 cudaError_t gemv_int4_residual(float* hidden, const half* x, const uint32_t* qweight,
                                const half* scales, int n, int k, cudaStream_t stream);
 
-// gemv_int4_residual, then xn[n] = half(norm_w * hidden * rsqrt(mean(hidden^2) + eps)) of the
-// UPDATED hidden (the next layer's / block's RMSNorm, formed as the rmsnorm kernel forms it; the
-// sum of squares is reduced in another fixed order), written by the grid's last block. counter:
-// one int32 in device memory, zero before the first call; every call leaves it zero. n % 4 == 0.
-// Replaces a residual GEMV + rmsnorm pair of the decode step (one launch less per norm).
-cudaError_t gemv_int4_residual_norm(float* hidden, const half* x, const uint32_t* qweight,
-                                    const half* scales, int n, int k, half* xn,
-                                    const half* norm_w, float eps, int* counter,
-                                    cudaStream_t stream);
-
 // out[j] = silu(Wg x)[j] * (Wu x)[j], j < n; gate and up are two INT4 matrices [n, k].
 // Both dot products and the SiLU are fp32; only `out` is rounded to half.
 cudaError_t gemv_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate,

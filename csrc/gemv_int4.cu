@@ -56,11 +56,6 @@ struct Args {
   const float* hidden = nullptr;
   const half* norm_w = nullptr;
   float eps = 0.f;
-  // RMSNorm of the updated residual in the epilogue (gemv_int4_residual_norm; tca_* only): the
-  // last block to finish writes xn_out = half(norm_w * hidden * r); counter: int32, zero between
-  // calls
-  half* xn_out = nullptr;
-  int* counter = nullptr;
 };
 
 __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
@@ -829,17 +824,10 @@ constexpr int tca_smem_bytes(int k, int nm, int ks, int s, int gps, bool xg) {
 // XG: x is not staged; the mma loop reads it with __ldg (L1-cached: lanes of equal t share an
 // address, so a warp's 16-byte x load touches 4 distinct pieces). Saves k*2 bytes of shared
 // memory per block (down_proj: 37 of 107 KB) and the staging step; not with NORM.
-// NOUT (gemv_int4_residual_norm, OP_RESID): after its rows of hidden are updated, every block
-// fences and counts itself in a.counter; the last one (the atomic sees gridDim.x - 1) reads the
-// whole new hidden from L2, forms xn_out = half(norm_w * (hidden * r)) with the rmsnorm kernel's
-// formula (its own fixed-order block sum) and resets the counter, so the next GEMV reads a
-// normed x and no rmsnorm launch is needed. Under PDL that serial tail overlaps the next kernel's
-// weight prefetch (issued before its griddep_wait, which waits for this grid to complete).
-template <int NM, int KS, int S, int GPS, int DQ, int OP, bool PF, bool XG, bool NORM, bool NOUT = false>
+template <int NM, int KS, int S, int GPS, int DQ, int OP, bool PF, bool XG, bool NORM>
 __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca_kernel(const Args a) {
   static_assert(S >= 2 && (GPS == 1 || GPS == 2 || GPS == 4), "ring shape");
   static_assert(!(XG && NORM), "the fused norm stages x");
-  static_assert(!NOUT || OP == OP_RESID, "the epilogue norm follows the residual add");
   // shared memory: x [k/8 uint4] (not with XG) (per group [j][t] transposed, as v3); float red[KS][NM][16];
   // float scratch[32] (NORM's block sum); half2 scales[KS][ceil(G/KS)][NM][8];
   // ring[KS][S][NM][16 rows][GPS*4 chunks]
@@ -967,33 +955,6 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
   nanoqwen::cp_async_wait<0>();  // only empty groups are left; drain anyway before the block exits
 
   splitk_store<NM, 1, KS, OP>(a, red, acc, s, g, t, row0);
-
-  if constexpr (NOUT) {
-    __shared__ int s_last;
-    __threadfence();  // this block's rows of hidden (splitk_store) are visible before the count
-    __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(a.counter, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (s_last) {  // block-uniform branch: block_sum's barriers are reached by every thread
-      __threadfence();
-      const float4* h4 = reinterpret_cast<const float4*>(static_cast<const float*>(a.out));
-      float sq = 0.f;
-      for (int i = threadIdx.x; i < a.n / 4; i += KS * 32) {
-        const float4 v = __ldcg(h4 + i);  // L2: other SMs wrote these rows
-        sq += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-      }
-      const float r = rsqrtf(nanoqwen::block_sum(sq, scratch) / (float)a.n + a.eps);
-      const half2* w2 = reinterpret_cast<const half2*>(a.norm_w);
-      half2* o2 = reinterpret_cast<half2*>(a.xn_out);
-      for (int i = threadIdx.x; i < a.n / 4; i += KS * 32) {
-        const float4 v = __ldcg(h4 + i);
-        const float2 wa = __half22float2(w2[2 * i]), wb = __half22float2(w2[2 * i + 1]);
-        o2[2 * i] = __floats2half2_rn(wa.x * (v.x * r), wa.y * (v.y * r));
-        o2[2 * i + 1] = __floats2half2_rn(wb.x * (v.z * r), wb.y * (v.w * r));
-      }
-      if (threadIdx.x == 0) *a.counter = 0;  // ready for the next call (stream-ordered)
-    }
-  }
 }
 
 // ---- variants ---------------------------------------------------------------------------------
@@ -1102,9 +1063,9 @@ cudaError_t launch_ps(int op, const Args& a, cudaStream_t stream) {
 // v5 needs more than kMaxSmemBytes (x + the rings): up to the sm_90 per-block limit
 constexpr int kTcaMaxSmemBytes = 227 * 1024;
 
-template <int NM, int KS, int S, int GPS, int DQ, int OP, bool PF, bool XG, bool NORM, bool NOUT = false>
+template <int NM, int KS, int S, int GPS, int DQ, int OP, bool PF, bool XG, bool NORM>
 cudaError_t launch_tca_op(const Args& a, cudaStream_t stream) {
-  auto kern = gemv_int4_tca_kernel<NM, KS, S, GPS, DQ, OP, PF, XG, NORM, NOUT>;
+  auto kern = gemv_int4_tca_kernel<NM, KS, S, GPS, DQ, OP, PF, XG, NORM>;
   static const cudaError_t attr =
       cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kTcaMaxSmemBytes);
   if (attr != cudaSuccess) return attr;
@@ -1118,9 +1079,6 @@ cudaError_t launch_tca(int op, const Args& a, cudaStream_t stream) {
   if (tca_smem_bytes(a.k, op == OP_SILU ? 2 : 1, KS, S, GPS, XG && !norm) > kTcaMaxSmemBytes) {
     // x + rings beyond the per-block shared-memory limit (no Qwen2.5 launcher shape): the fused
     // norm goes to v4 (ps_T256_L8_h16_B2, its run-6 launcher), the rest to v2 with x from L1
-    if (a.xn_out)
-      return gemv_fail_("gemv_int4_residual_norm: k=%d needs %d bytes of shared memory, limit %d",
-                        a.k, tca_smem_bytes(a.k, 1, KS, S, GPS, XG), kTcaMaxSmemBytes);
     if (norm) return launch_ps<256, 8, ACC_H16W, 2>(op, a, stream);
     return launch_int4<1, 2, ACC_H16W, false>(op, a, stream);
   }
@@ -1130,7 +1088,6 @@ cudaError_t launch_tca(int op, const Args& a, cudaStream_t stream) {
                   : launch_tca_op<1, KS, S, GPS, DQ, OP_STORE, PF, XG, false>(a, stream);
     case OP_RESID:
       if (norm) return gemv_fail_("gemv_int4: the fused norm exists for store and silu_mul only");
-      if (a.xn_out) return launch_tca_op<1, KS, S, GPS, DQ, OP_RESID, PF, XG, false, true>(a, stream);
       return launch_tca_op<1, KS, S, GPS, DQ, OP_RESID, PF, XG, false>(a, stream);
     case OP_SILU:
       return norm ? launch_tca_op<2, KS, S, GPS, DQ, OP_SILU, PF, false, true>(a, stream)
@@ -1199,10 +1156,6 @@ constexpr int variant_index(const char* name) {
   for (int i = 0; i < kNumInt4Variants; ++i)
     if (same_name(kInt4Variants[i].name, name)) return i;
   return -1;
-}
-constexpr bool is_tca(int v) {
-  const char* n = kInt4Variants[v].name;
-  return n[0] == 't' && n[1] == 'c' && n[2] == 'a';
 }
 constexpr bool has_norm(int v) {  // ps_* and tca_* have the fused RMSNorm
   const char* n = kInt4Variants[v].name;
@@ -1275,28 +1228,6 @@ cudaError_t gemv_int4_residual(float* hidden, const half* x, const uint32_t* qwe
   if (cudaError_t e = check_int4("gemv_int4_residual", hidden, x, qweight, scales, n, k)) return e;
   return kInt4Variants[launcher_variant(OP_RESID, k)].launch(
       OP_RESID, Args{hidden, x, qweight, scales, nullptr, nullptr, nullptr, n, k}, stream);
-}
-
-cudaError_t gemv_int4_residual_norm(float* hidden, const half* x, const uint32_t* qweight,
-                                    const half* scales, int n, int k, half* xn,
-                                    const half* norm_w, float eps, int* counter,
-                                    cudaStream_t stream) {
-  const char* fn = "gemv_int4_residual_norm";
-  if (cudaError_t e = check_int4(fn, hidden, x, qweight, scales, n, k)) return e;
-  if (!xn || !counter) return gemv_fail_("%s: null pointer (xn=%p counter=%p)", fn, (void*)xn, (void*)counter);
-  if (n % 4) return gemv_fail_("%s: n=%d (the normed vector) must be a multiple of 4", fn, n);
-  if (cudaError_t e = check_norm(fn, hidden, norm_w, eps)) return e;
-  if (misaligned16(xn)) return gemv_fail_("%s: xn=%p must be 16-byte aligned", fn, (void*)xn);
-  const int v = launcher_variant(OP_RESID, k);
-  if (!is_tca(v))
-    return gemv_fail_("%s: the residual launcher variant %s has no epilogue norm", fn,
-                      kInt4Variants[v].name);
-  Args a{hidden, x, qweight, scales, nullptr, nullptr, nullptr, n, k};
-  a.norm_w = norm_w;
-  a.eps = eps;
-  a.xn_out = xn;
-  a.counter = counter;
-  return kInt4Variants[v].launch(OP_RESID, a, stream);
 }
 
 cudaError_t gemv_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate,

@@ -26,11 +26,6 @@ constexpr int kMaxGqa = 8;  // Qwen2.5-Coder ratios are 5, 6, 7, 8 (and 1 for te
 // id can never read out of bounds (the Python side validates ids before they get here).
 cudaError_t embed_gather(float* hidden, const half* table, const int32_t* ids, int T, int H,
                          int vocab, cudaStream_t stream);
-// embed_gather + rmsnorm(xn <- hidden, norm_w) of the same T rows in one launch (decode's first
-// layer input norm); xn half [T, H]; H % 8 == 0, eps > 0 (else cudaErrorInvalidValue).
-cudaError_t embed_gather_norm(float* hidden, half* xn, const half* table, const int32_t* ids,
-                              const half* norm_w, int T, int H, int vocab, float eps,
-                              cudaStream_t stream);
 
 // out[t, :] = half(w * x * rsqrt(mean(x^2) + eps)), x = hidden[t, :] in fp32.
 cudaError_t rmsnorm(half* out, const float* hidden, const half* weight, int T, int H, float eps,

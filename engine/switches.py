@@ -2,9 +2,7 @@
 A/B measurements (README, "measurement switches"; the numbers are in benchmarks/RESULTS.md).
 
     NANOQWEN_PDL=0|1           programmatic dependent launch, default 1 (on)    csrc/common.cuh
-    NANOQWEN_FUSE_NORM=0|1|2   where the RMSNorms run, default 2                 backends/cuda.py
-                               0: separate rmsnorm launches; 1: inside the consuming GEMVs'
-                               prologues; 2: in the residual GEMVs' epilogue (last block)
+    NANOQWEN_FUSE_NORM=0|1     RMSNorm inside the GEMV prologues, default 0      backends/cuda.py
     NANOQWEN_ATTN_MIN_PPS=n    attention_decode's minimum KV pages per split,    backends/cuda.py
                                n = 1..8192 in decimal digits, default 2
 
@@ -47,7 +45,7 @@ class SwitchError(NanoqwenError, ValueError):
 @dataclass(frozen=True)
 class Switches:
     pdl: bool = True            # NANOQWEN_PDL
-    fuse_norm: int = 2          # NANOQWEN_FUSE_NORM: 0 separate, 1 prologue, 2 epilogue
+    fuse_norm: bool = False     # NANOQWEN_FUSE_NORM
     attn_min_pps: int = ATTN_MIN_PPS_DEFAULT  # NANOQWEN_ATTN_MIN_PPS
 
 
@@ -59,17 +57,6 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
         raise SwitchError(f"{name}={v!r} is not allowed: use 0 or 1, or leave it unset "
                           f"(default {int(default)})")
     return v == "1"
-
-
-def _norm_mode(env: Mapping[str, str]) -> int:
-    v = env.get(FUSE_NORM, "")
-    if v == "":
-        return Switches.fuse_norm
-    if v not in ("0", "1", "2"):
-        raise SwitchError(f"{FUSE_NORM}={v!r} is not allowed: use 0 (separate rmsnorm launches), "
-                          f"1 (in the GEMV prologues) or 2 (in the residual GEMVs' epilogue), or "
-                          f"leave it unset (default {Switches.fuse_norm})")
-    return int(v)
 
 
 def _min_pps(env: Mapping[str, str]) -> int:
@@ -89,5 +76,5 @@ def _min_pps(env: Mapping[str, str]) -> int:
 def read_switches(env: Mapping[str, str] | None = None) -> Switches:
     """The three switches from `env` (default os.environ), validated; raises SwitchError."""
     env = os.environ if env is None else env
-    return Switches(pdl=_flag(env, PDL, True), fuse_norm=_norm_mode(env),
+    return Switches(pdl=_flag(env, PDL, True), fuse_norm=_flag(env, FUSE_NORM, False),
                     attn_min_pps=_min_pps(env))

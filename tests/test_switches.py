@@ -20,7 +20,7 @@ from nanoqwen.engine.errors import BackendUnavailable, NanoqwenError
 from nanoqwen.engine.switches import (ATTN_MIN_PPS, ATTN_MIN_PPS_DEFAULT, ATTN_MIN_PPS_MAX,
                                       FUSE_NORM, PDL, SwitchError, Switches, read_switches)
 
-FLAGS = [(PDL, "pdl", True)]  # (variable, field, default) of the on/off switches
+FLAGS = [(PDL, "pdl", True), (FUSE_NORM, "fuse_norm", False)]  # (variable, field, default)
 ALL = (PDL, FUSE_NORM, ATTN_MIN_PPS)
 
 
@@ -33,7 +33,7 @@ def env(monkeypatch):
 
 
 def test_defaults_when_unset_or_empty(env):
-    assert read_switches() == Switches(pdl=True, fuse_norm=2, attn_min_pps=2)
+    assert read_switches() == Switches(pdl=True, fuse_norm=False, attn_min_pps=2)
     for name in ALL:
         env(name, "")
     assert read_switches() == Switches()
@@ -59,24 +59,6 @@ def test_flags_reject_anything_else(env, name, field, default, value):
     assert "use 0 or 1" in msg and f"default {int(default)}" in msg
 
 
-@pytest.mark.parametrize("value", ["0", "1", "2"])
-def test_norm_mode_accepts_0_1_2(env, value):
-    env(FUSE_NORM, value)
-    assert read_switches().fuse_norm == int(value)
-
-
-@pytest.mark.parametrize("value", ["3", "-1", "00", "02", " 2", "2 ", "1\n", "true", "on",
-                                   "yes", "x", "٢"])
-def test_norm_mode_rejects_anything_else(env, value):
-    env(FUSE_NORM, value)
-    with pytest.raises(SwitchError) as ei:
-        read_switches()
-    msg = str(ei.value)
-    assert FUSE_NORM in msg and repr(value) in msg
-    assert "use 0 (separate rmsnorm launches), 1" in msg and "or 2" in msg
-    assert f"default {Switches.fuse_norm}" in msg
-
-
 @pytest.mark.parametrize("value,expected", [("1", 1), ("2", 2), ("3", 3), ("64", 64),
                                             ("007", 7), ("8192", 8192), ("08192", 8192)])
 def test_min_pps_accepts_1_to_8192(env, value, expected):
@@ -100,7 +82,7 @@ def test_every_switch_is_checked_with_the_others_valid(env):
     env(PDL, "0")
     env(FUSE_NORM, "1")
     env(ATTN_MIN_PPS, "5")
-    assert read_switches() == Switches(pdl=False, fuse_norm=1, attn_min_pps=5)
+    assert read_switches() == Switches(pdl=False, fuse_norm=True, attn_min_pps=5)
     env(ATTN_MIN_PPS, "0")
     with pytest.raises(SwitchError, match=ATTN_MIN_PPS):
         read_switches()

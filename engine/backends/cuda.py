@@ -320,10 +320,8 @@ class CudaBackend(Backend):
                                   dtype=torch.float32, device=dev)
         self.ws_ml = torch.zeros(c.num_attention_heads, self.num_splits, 2,
                                  dtype=torch.float32, device=dev)
-        # NANOQWEN_FUSE_NORM: where the RMSNorms run (0 separate, 1 GEMV prologues, 2 residual
-        # GEMV epilogues; see _launch_step); norm_counter: the epilogue's "last block" counter
+        # NANOQWEN_FUSE_NORM=1: norms inside the GEMV prologues (an A/B switch, see _launch_step)
         self._fuse_norm = self.switches.fuse_norm
-        self.norm_counter = torch.zeros(1, dtype=torch.int32, device=dev)
         self._xn = torch.zeros(1, c.hidden_size, dtype=torch.float16, device=dev)
         # attention_decode's per-kv-head "last split merges" counters; it leaves them zero
         self.attn_counters = torch.zeros(c.num_key_value_heads, dtype=torch.int32, device=dev)
@@ -341,55 +339,37 @@ class CudaBackend(Backend):
     def _launch_step(self) -> None:
         """Every launch of one decode step, on the current stream (eager or under capture).
 
-        Per layer: qkv GEMV -> attention_decode (RoPE, K/V write, split-K attention and the
-        split merge in one) -> o GEMV into the residual -> gate/up GEMV with SiLU*mul -> down
-        GEMV into the residual, plus the two RMSNorms wherever NANOQWEN_FUSE_NORM puts them:
-        2 (default): in the residual GEMVs' epilogue -- the last block of the o / down GEMV
-        normalizes the updated hidden into xn for the next GEMV, and embed_gather_norm does the
-        first layer's (five launches a layer); 0: separate rmsnorm launches (seven); 1: inside
-        the consuming GEMVs' prologues (five; measured slower, benchmarks/RESULTS.md). Every
-        kernel is launched with PDL (csrc/common.cuh), so each GEMV's weight fetch starts
-        under the previous kernel's tail."""
+        Seven launches a layer: rmsnorm -> qkv GEMV -> attention_decode (RoPE, K/V write,
+        split-K attention and the split merge in one) -> o GEMV into the residual -> rmsnorm ->
+        gate/up GEMV with SiLU*mul -> down GEMV into the residual. Every kernel is launched
+        with PDL (csrc/common.cuh), so each GEMV's weight fetch starts under the previous
+        kernel's tail. NANOQWEN_FUSE_NORM=1 folds the norms into the GEMVs' prologues instead
+        (five launches a layer); the H200 measured that 3.7% slower (benchmarks/RESULTS.md),
+        so it is an A/B switch, not the default."""
         o, c = self._ops, self.config
-        eps, xn, mode = c.rms_norm_eps, self._xn, self._fuse_norm
-        n = len(self.layers)
-        if mode == 2:
-            o.embed_gather_norm(self.hidden, xn, self.embed, self.token_in, self.layers[0].ln1, eps)
-        else:
-            o.embed_gather(self.hidden, self.embed, self.token_in)
+        eps, xn = c.rms_norm_eps, self._xn
+        o.embed_gather(self.hidden, self.embed, self.token_in)
         for li, L in enumerate(self.layers):
-            if mode == 1:
+            if self._fuse_norm:
                 o.gemv_int4_norm(self.qkv, self.hidden, L.ln1, eps, L.qkv_qw, L.qkv_sc, L.qkv_b)
             else:
-                if mode == 0:
-                    o.rmsnorm(xn, self.hidden, L.ln1, eps)
+                o.rmsnorm(xn, self.hidden, L.ln1, eps)
                 o.gemv_int4(self.qkv, xn, L.qkv_qw, L.qkv_sc, L.qkv_b)
             o.attention_decode(self.attn, self.ws_acc, self.ws_ml, self.attn_counters, self.qkv,
                                self.k_layers[li], self.v_layers[li], self.cos, self.sin,
                                self.page_table, self.pos, self.attn_min_pps)
-            if mode == 2:
-                o.gemv_int4_residual_norm(self.hidden, self.attn, L.o_qw, L.o_sc, xn, L.ln2, eps,
-                                          self.norm_counter)
-            else:
-                o.gemv_int4_residual(self.hidden, self.attn, L.o_qw, L.o_sc)
-            if mode == 1:
+            o.gemv_int4_residual(self.hidden, self.attn, L.o_qw, L.o_sc)
+            if self._fuse_norm:
                 o.gemv_int4_silu_mul_norm(self.act, self.hidden, L.ln2, eps, L.gate_qw,
                                           L.gate_sc, L.up_qw, L.up_sc)
             else:
-                if mode == 0:
-                    o.rmsnorm(xn, self.hidden, L.ln2, eps)
+                o.rmsnorm(xn, self.hidden, L.ln2, eps)
                 o.gemv_int4_silu_mul(self.act, xn, L.gate_qw, L.gate_sc, L.up_qw, L.up_sc)
-            if mode == 2:  # the next layer's input norm, or the final norm after the last layer
-                nxt = self.layers[li + 1].ln1 if li + 1 < n else self.norm
-                o.gemv_int4_residual_norm(self.hidden, self.act, L.down_qw, L.down_sc, xn, nxt,
-                                          eps, self.norm_counter)
-            else:
-                o.gemv_int4_residual(self.hidden, self.act, L.down_qw, L.down_sc)
-        if mode == 1:
+            o.gemv_int4_residual(self.hidden, self.act, L.down_qw, L.down_sc)
+        if self._fuse_norm:
             o.gemv_fp16_norm(self.logits, self.hidden, self.norm, eps, self.lm_head)
         else:
-            if mode == 0:
-                o.rmsnorm(xn, self.hidden, self.norm, eps)
+            o.rmsnorm(xn, self.hidden, self.norm, eps)
             o.gemv_fp16(self.logits, xn, self.lm_head)
         self._launch_sample()
 
