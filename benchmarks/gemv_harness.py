@@ -175,6 +175,32 @@ def rel_err(out, ref):
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def dot_scale(w, x):
+    """sqrt(sum_k (w x)^2) per row, in fp64: the size of the products a row's sum rounds."""
+    return ((w.double() ** 2) @ (x.double() ** 2)).sqrt()
+
+
+def scaled_err(out, ref, scale):
+    """||out - ref|| / ||scale||: scale is the size of the rounding-error source per row
+    (dot_scale plus |ref|), not |ref| itself, which a single row (n = 1) can draw near zero by
+    cancellation (run 5 failed 1x128 on |ref| alone); same tolerance meaning as rel_err for
+    large n."""
+    out = out.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / scale.norm().clamp_min(1e-30)).item()
+
+
+def silu_ref(w, wu, x, ref, refu):
+    """silu(g) * u in fp64 for g = ref = w x, u = refu = wu x, and its rounding-error scale:
+    each factor's scale times the other's derivative, plus |out| (as scaled_err wants)."""
+    ref_s = torch.nn.functional.silu(ref) * refu
+    sig = torch.sigmoid(ref)
+    scale_s = ((sig * (1 + ref * (1 - sig))).abs() * refu.abs() * dot_scale(w, x)
+               + (ref * sig).abs() * dot_scale(wu, x) + ref_s.abs())
+    return ref_s, scale_s
+
+
 # ---- correctness --------------------------------------------------------------------------------
 def check(lib: Lib, quant) -> list[str]:
     fails = []
@@ -200,34 +226,25 @@ def check(lib: Lib, quant) -> list[str]:
     for label, n, k, qw, sc, w in cases:
         x = (torch.randn(k, generator=gen)).half().cuda()
         ref = w.double() @ x.double()
-        # errors against the rounding-error scale sqrt(sum (w x)^2) + |ref| (a 1-row case can
-        # cancel to near zero; run 5 failed 1x128 on |ref| alone): same meaning for large n
-        sc_ = ((w.double() ** 2) @ (x.double() ** 2)).sqrt()
-
-        def serr(out, r, scale):
-            out = out.double()
-            return float("inf") if not torch.isfinite(out).all() else ((out - r).norm() / scale.norm()).item()
+        # errors against the rounding-error scale (scaled_err), not |ref|
+        sc_ = dot_scale(w, x)
         bias = (torch.randn(n, generator=gen) * 0.5).half().cuda()
         y = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
         lib.call("gemv_int4", ptr(y), ptr(x), ptr(qw), ptr(sc), ptr(bias), n, k, stream())
-        expect(f"gemv_int4 {label} +bias", serr(y, ref + bias.double(), sc_ + (ref + bias.double()).abs()), TOL_HALF)
+        expect(f"gemv_int4 {label} +bias", scaled_err(y, ref + bias.double(), sc_ + (ref + bias.double()).abs()), TOL_HALF)
         lib.call("gemv_int4", ptr(y), ptr(x), ptr(qw), ptr(sc), None, n, k, stream())
-        expect(f"gemv_int4 {label} nobias", serr(y, ref, sc_ + ref.abs()), TOL_HALF)
+        expect(f"gemv_int4 {label} nobias", scaled_err(y, ref, sc_ + ref.abs()), TOL_HALF)
         h0 = torch.randn(n, device="cuda") * 3
         h = h0.clone()
         lib.call("gemv_int4_residual", ptr(h), ptr(x), ptr(qw), ptr(sc), n, k, stream())
-        expect(f"gemv_int4_residual {label}", serr(h - h0, ref, sc_ + ref.abs()), TOL_F32_INT4)
+        expect(f"gemv_int4_residual {label}", scaled_err(h - h0, ref, sc_ + ref.abs()), TOL_F32_INT4)
         # up matrix: a shuffled copy of the rows, so gate != up
         perm = torch.randperm(n, generator=gen).cuda()
         qu, su, wu = qw[perm].contiguous(), sc[perm].contiguous(), w[perm]
         o = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
         lib.call("gemv_int4_silu_mul", ptr(o), ptr(x), ptr(qw), ptr(sc), ptr(qu), ptr(su), n, k, stream())
-        ru = wu.double() @ x.double()
-        ref_s = torch.nn.functional.silu(ref) * ru
-        sig = torch.sigmoid(ref)
-        scale_s = ((sig * (1 + ref * (1 - sig))).abs() * ru.abs() * sc_
-                   + (ref * sig).abs() * ((wu.double() ** 2) @ (x.double() ** 2)).sqrt() + ref_s.abs())
-        expect(f"gemv_int4_silu_mul {label}", serr(o, ref_s, scale_s), TOL_HALF)
+        ref_s, scale_s = silu_ref(w, wu, x, ref, wu.double() @ x.double())
+        expect(f"gemv_int4_silu_mul {label}", scaled_err(o, ref_s, scale_s), TOL_HALF)
         d = torch.full((n, k), float("nan"), dtype=torch.float16, device="cuda")
         lib.call("dequant_int4", ptr(d), ptr(qw), ptr(sc), n, k, stream())
         exact = torch.equal(d.view(torch.int16), w.half().view(torch.int16))
@@ -250,12 +267,7 @@ def check(lib: Lib, quant) -> list[str]:
             refu = wu.double() @ x.double()
             # silu(g)*u against its rounding-error scale (as the launcher checks above): a 1-row case
             # with outliers can cancel to near zero (run 7: 2.06e-3 of |ref| in every variant alike)
-            sg = ((w.double() ** 2) @ (x.double() ** 2)).sqrt()
-            su_ = ((wu.double() ** 2) @ (x.double() ** 2)).sqrt()
-            sig = torch.sigmoid(ref)
-            ref_s = torch.nn.functional.silu(ref) * refu
-            scale_s = ((sig * (1 + ref * (1 - sig))).abs() * refu.abs() * sg + (ref * sig).abs() * su_
-                       + ref_s.abs())
+            ref_s, scale_s = silu_ref(w, wu, x, ref, refu)
             for v, vname in lib.sel(lib.int4_variants):
                 tag = f"{vname} {n}x{k}{' outliers' if outlier else ''}"
                 y = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
@@ -270,9 +282,7 @@ def check(lib: Lib, quant) -> list[str]:
                     ok = torch.isfinite(ref_s.half()).all()
                     if not ok:
                         continue
-                o64 = o.double()
-                err = float("inf") if not torch.isfinite(o64).all() else ((o64 - ref_s).norm() / scale_s.norm()).item()
-                expect(f"silu {tag}", err, TOL_HALF)
+                expect(f"silu {tag}", scaled_err(o, ref_s, scale_s), TOL_HALF)
 
     log("== correctness: gemv_fp16 (lm_head) ==")
     for n, k in [(1, 8), (643, 896), (1003, 3584), (77, 27648), (152064, 3584)]:
@@ -292,15 +302,6 @@ def check(lib: Lib, quant) -> list[str]:
     # rounding (r in fp64 here, rsqrtf + another reduction order there: x may differ in the last
     # bit of a few elements, far below the tolerance). Outputs against fp64 dot products of that x.
     eps = 1e-6
-
-    def scaled_err(out, ref, scale):
-        """||out - ref|| / ||scale||: scale is the size of the rounding-error source per row
-        (sqrt(sum_k (w x)^2) plus |ref|), not |ref| itself, which a single row (n = 1) can draw
-        near zero by cancellation; same tolerance meaning as rel_err for large n."""
-        out = out.double()
-        if not torch.isfinite(out).all():
-            return float("inf")
-        return ((out - ref).norm() / scale.norm().clamp_min(1e-30)).item()
 
     def norm_x(hidden, nw):
         r = torch.rsqrt(hidden.double().pow(2).mean() + eps).float()
@@ -322,11 +323,8 @@ def check(lib: Lib, quant) -> list[str]:
             tag = f"{n}x{k}{' |x|~3000' if big else ''}"
             ref = w.double() @ x.double()
             refu = wu.double() @ x.double()
-            s_g = ((w.double() ** 2) @ (x.double() ** 2)).sqrt()
-            s_u = ((wu.double() ** 2) @ (x.double() ** 2)).sqrt()
-            sig = torch.sigmoid(ref)
-            ref_s = torch.nn.functional.silu(ref) * refu
-            scale_s = (sig * (1 + ref * (1 - sig))).abs() * refu.abs() * s_g + (ref * sig).abs() * s_u + ref_s.abs()
+            s_g = dot_scale(w, x)
+            ref_s, scale_s = silu_ref(w, wu, x, ref, refu)
             bias = (torch.randn(n, generator=gen) * 0.5).half().cuda()
             for b in (None, bias):
                 y = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")

@@ -52,6 +52,17 @@ def dot_scale(w, x):  # sqrt(sum_k (w x)^2) per row
     return ((w.double() ** 2) @ (x.double() ** 2)).sqrt()
 
 
+def silu_ref(wg, wu, x):
+    """silu(g) * u in fp64 for g = wg x, u = wu x (x half), and its rounding-error scale for
+    scaled_err: each factor's dot_scale times the derivative by it, plus |silu(g) * u|."""
+    g, u = wg.double() @ x.double(), wu.double() @ x.double()
+    ref = torch.nn.functional.silu(g) * u
+    sig = torch.sigmoid(g)
+    scale = ((sig * (1 + g * (1 - sig))).abs() * u.abs() * dot_scale(wg, x)
+             + (g * sig).abs() * dot_scale(wu, x) + ref.abs())
+    return ref, scale
+
+
 def norm_ref(hidden: torch.Tensor, norm_w: torch.Tensor) -> torch.Tensor:
     r = torch.rsqrt(hidden.double().pow(2).mean() + EPS).float()
     return (norm_w.float() * (hidden * r)).half()
@@ -111,13 +122,7 @@ def test_gemv_int4_silu_mul_norm(gen, n, k, big):
     qg, sg, wg = make_int4(n, k, gen, std)
     qu, su, wu = make_int4(n, k, gen, std)
     hidden, nw = make_hidden(k, gen, big)
-    xh = norm_ref(hidden, nw)
-    x = xh.double()
-    g, u = wg.double() @ x, wu.double() @ x
-    ref = torch.nn.functional.silu(g) * u
-    sig = torch.sigmoid(g)
-    scale = ((sig * (1 + g * (1 - sig))).abs() * u.abs() * dot_scale(wg, xh)
-             + (g * sig).abs() * dot_scale(wu, xh) + ref.abs())
+    ref, scale = silu_ref(wg, wu, norm_ref(hidden, nw))
     assert torch.isfinite(ref.half()).all(), "test data: silu(g)*u exceeds fp16"
     out = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
     ops().gemv_int4_silu_mul_norm(out, hidden, nw, EPS, qg, sg, qu, su)
@@ -160,12 +165,8 @@ def test_int4_store_and_silu_large_x(gen):
         ref = w.double() @ x.double()
         assert scaled_err(y, ref, dot_scale(w, x) + ref.abs()) < TOL_HALF
         qu, su, wu = make_int4(n, k, gen, 2e-4)
-        g, u = ref, wu.double() @ x.double()
-        want = torch.nn.functional.silu(g) * u
+        want, scale = silu_ref(w, wu, x)
         assert torch.isfinite(want.half()).all(), "test data: silu(g)*u exceeds fp16"
-        sig = torch.sigmoid(g)
-        scale = ((sig * (1 + g * (1 - sig))).abs() * u.abs() * dot_scale(w, x)
-                 + (g * sig).abs() * dot_scale(wu, x) + want.abs())
         out = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
         ops().gemv_int4_silu_mul(out, x, qw, sc, qu, su)
         assert scaled_err(out, want, scale) < TOL_HALF
