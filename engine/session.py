@@ -8,7 +8,9 @@ messages; cancellation and errors only ever shorten the cache, never desynchroni
 
 Events (all frozen dataclasses), in order for one turn:
     Notice?  (only when old turns had to be left out to fit the context)
-    per token: TokenIds, then TextDelta when the token completes text
+    per chunk of tokens (backend.generate_chunks: the first token alone, then one chunk per
+    `window_s`; the default 0 makes every token a chunk): TokenIds with the chunk's ids,
+    then one TextDelta with the chunk's text if it completed any
     TextDelta? (the detokenizer's held tail), Stats, Done(reason)
 A failure inside the backend is reported as Error(message) followed by Done("error").
 
@@ -98,8 +100,15 @@ class _Reply:
         return "".join(self.parts) + self.detok.flush()
 
 
+# How long the backend gathers tokens into one chunk (one TokenIds + one TextDelta) after
+# the first. 0: every token is its own chunk, the events a plain loop over a session wants;
+# the engine service (the app, `nanoqwen generate`) asks for its batching window instead.
+CHUNK_SECONDS = 0.0
+
+
 def run_turn(backend, tokenizer, prompt_ids: Sequence[int], params, max_new_tokens: int,
-             cancel: threading.Event, reply: _Reply | None = None) -> Iterator[Event]:
+             cancel: threading.Event, reply: _Reply | None = None,
+             window_s: float = CHUNK_SECONDS) -> Iterator[Event]:
     """Generate after `prompt_ids`, reusing the cached prefix; yield events (module doc).
 
     The caller has checked that the prompt fits. Usable without a ChatSession (raw prompts).
@@ -113,20 +122,24 @@ def run_turn(backend, tokenizer, prompt_ids: Sequence[int], params, max_new_toke
     last = None
     try:
         backend.truncate(n_reuse)
-        steps = backend.generate(prompt_ids[n_reuse:], params, max_new_tokens, stop_ids, cancel)
+        steps = backend.generate_chunks(prompt_ids[n_reuse:], params, max_new_tokens,
+                                        stop_ids, cancel, window_s)
         try:
-            for ev in steps:
-                last = ev.token_id
-                reply.ids.append(ev.token_id)
-                step_ms.append(ev.step_ms)
-                # Recorded before yielding, so a stream abandoned at either yield still
-                # leaves every token it showed in the reply text.
-                text = "" if ev.token_id in stop_ids else reply.detok.push(ev.token_id)
-                if text:
-                    reply.parts.append(text)
-                yield TokenIds((ev.token_id,), (ev.step_ms,))
-                if text:
-                    yield TextDelta(text)
+            for chunk in steps:
+                n0, texts = len(step_ms), []
+                for ev in chunk:
+                    reply.ids.append(ev.token_id)
+                    step_ms.append(ev.step_ms)
+                    # Recorded before yielding, so a stream abandoned at either yield still
+                    # leaves every token it showed in the reply text.
+                    text = "" if ev.token_id in stop_ids else reply.detok.push(ev.token_id)
+                    if text:
+                        reply.parts.append(text)
+                        texts.append(text)
+                last = chunk[-1].token_id
+                yield TokenIds(tuple(reply.ids[n0:]), tuple(step_ms[n0:]))
+                if texts:
+                    yield TextDelta("".join(texts))
         finally:
             steps.close()  # the backend's loop ends now, not whenever it is collected
     except Exception as e:  # noqa: BLE001 - reported to the consumer, cache stays consistent
@@ -161,7 +174,8 @@ def run_turn(backend, tokenizer, prompt_ids: Sequence[int], params, max_new_toke
 
 
 def generate_raw(backend, tokenizer, text: str, params, max_new_tokens: int,
-                 cancel: threading.Event | None = None) -> Iterator[Event]:
+                 cancel: threading.Event | None = None,
+                 window_s: float = CHUNK_SECONDS) -> Iterator[Event]:
     """Continue `text` as-is (no chat template), reusing the cache like a session turn."""
     ids = tokenizer.encode(text)
     if not ids:
@@ -170,7 +184,7 @@ def generate_raw(backend, tokenizer, text: str, params, max_new_tokens: int,
         raise ContextFullError(f"the prompt is {len(ids)} tokens; the context holds "
                                f"{backend.max_context} and at least 1 is needed for the reply")
     return run_turn(backend, tokenizer, ids, params, max_new_tokens,
-                    cancel if cancel is not None else threading.Event())
+                    cancel if cancel is not None else threading.Event(), window_s=window_s)
 
 
 class ChatSession:
@@ -208,23 +222,27 @@ class ChatSession:
         self._cancel.set()
 
     def generate(self, user_text: str, params, max_new_tokens: int = 512,
-                 cancel: threading.Event | None = None) -> Iterator[Event]:
-        """Add a user message and stream the reply. Raises ContextFullError now if it cannot fit."""
-        return self._turn(list(self.history), user_text, params, max_new_tokens, cancel)
+                 cancel: threading.Event | None = None,
+                 window_s: float = CHUNK_SECONDS) -> Iterator[Event]:
+        """Add a user message and stream the reply. Raises ContextFullError now if it cannot fit.
+        `window_s`: how long the backend gathers tokens into one TokenIds/TextDelta pair."""
+        return self._turn(list(self.history), user_text, params, max_new_tokens, cancel,
+                          window_s)
 
     def regenerate(self, params, max_new_tokens: int = 512,
-                   cancel: threading.Event | None = None) -> Iterator[Event]:
+                   cancel: threading.Event | None = None,
+                   window_s: float = CHUNK_SECONDS) -> Iterator[Event]:
         """Replace the reply to the last user message with a new one."""
         users = [i for i, m in enumerate(self.history) if m["role"] == "user"]
         if not users:
             raise NanoqwenError("there is no user message to regenerate a reply for")
         i = users[-1]
         return self._turn(self.history[:i], self.history[i]["content"], params,
-                          max_new_tokens, cancel)
+                          max_new_tokens, cancel, window_s)
 
     # --- internals --------------------------------------------------------------------------
     def _turn(self, base: list[dict], user_text: str, params, max_new_tokens: int,
-              cancel: threading.Event | None) -> Iterator[Event]:
+              cancel: threading.Event | None, window_s: float) -> Iterator[Event]:
         user = {"role": "user", "content": user_text}
         prompt_ids, dropped = self._fit(base, user, max_new_tokens)
         params.validate()
@@ -232,9 +250,11 @@ class ChatSession:
             if self._cancel.is_set():  # a cancel() that came before this turn started
                 cancel.set()
             self._cancel = cancel
-        return self._stream(base, user, prompt_ids, dropped, params, max_new_tokens, self._cancel)
+        return self._stream(base, user, prompt_ids, dropped, params, max_new_tokens,
+                            self._cancel, window_s)
 
-    def _stream(self, base, user, prompt_ids, dropped, params, max_new_tokens, cancel):
+    def _stream(self, base, user, prompt_ids, dropped, params, max_new_tokens, cancel,
+                window_s):
         # History changes only once the stream starts, so an iterator that is never started
         # leaves the session untouched.
         self.history = base + [user]
@@ -245,7 +265,7 @@ class ChatSession:
         reply = _Reply(self.tokenizer)
         try:
             yield from run_turn(self.backend, self.tokenizer, prompt_ids, params,
-                                max_new_tokens, cancel, reply)
+                                max_new_tokens, cancel, reply, window_s)
         finally:
             # Also on cancel, error or an abandoned stream: the partial reply is kept.
             self.history.append({"role": "assistant", "content": reply.text()})

@@ -267,3 +267,94 @@ def test_cancel_before_the_stream_starts_is_not_lost(make, tiny_tokenizer):
     assert ids == [] and done == Done("cancelled") and s.history[-1]["content"] == ""
     ids, *_ = run(s.generate(USERS[1], GREEDY, 5))  # the cancel was for that turn only
     assert len(ids) == 5
+
+
+# --- chunked generation (Backend.generate_chunks, the session's window_s) -------------------
+def test_chunked_turn_is_the_per_token_turn(make, tiny_tokenizer):
+    """However the tokens are grouped, a turn gives the same ids, text, stats and cache; an
+    endless window gives exactly two chunks: the first token alone, then the rest."""
+    per_token = make()
+    ids, text, st, done, evs = run(ChatSession(per_token, tiny_tokenizer).generate(
+        USERS[0], GREEDY, 20))
+    assert [len(e.ids) for e in evs if isinstance(e, TokenIds)] == [1] * 20
+    chunked = make()
+    c_ids, c_text, c_st, c_done, c_evs = run(ChatSession(chunked, tiny_tokenizer).generate(
+        USERS[0], GREEDY, 20, window_s=float("inf")))
+    toks = [e for e in c_evs if isinstance(e, TokenIds)]
+    assert [len(e.ids) for e in toks] == [1, 19]
+    assert (c_ids, c_text, c_done) == (ids, text, done) and chunked.kv_tokens == per_token.kv_tokens
+    assert [ms for e in toks for ms in e.step_ms][0] == c_st.ttft_ms      # step_ms stays per token
+    assert (c_st.n_generated, c_st.kv_len, c_st.n_prefilled) == (st.n_generated, st.kv_len,
+                                                                  st.n_prefilled)
+    # at most one TextDelta per chunk, right after its TokenIds (+ the detokenizer's tail)
+    kinds = [type(e) for e in c_evs if isinstance(e, (TokenIds, TextDelta))]
+    assert all(a is TokenIds for a, b in zip(kinds, kinds[1:-1]) if b is TextDelta)
+    assert kinds.count(TextDelta) <= len(toks) + 1
+
+
+def _prompt(tok, text=USERS[0]) -> list[int]:
+    return tok.encode_chat([{"role": "user", "content": text}])
+
+
+def test_group_steps_windows_on_its_clock_and_keeps_the_cache_exact(make, tiny_tokenizer):
+    """The default generate_chunks on a test clock (1/64 s per reading, exact in binary): the
+    first token alone, then a chunk each time a token finds the window passed, the rest at the
+    end; at every suspension the cache holds every yielded token but the last."""
+    from nanoqwen.engine.backends.base import group_steps
+
+    be = make()
+    prompt = _prompt(tiny_tokenizer)
+    ref = make()
+    expected = [e.token_id for e in ref.generate(prompt, GREEDY, 40)]
+    now = [0.0]
+
+    def clock():
+        now[0] += 1 / 64
+        return now[0]
+
+    seen, sizes = [], []
+    for chunk in group_steps(be.generate(prompt, GREEDY, 40), 0.04, clock=clock):
+        seen += [e.token_id for e in chunk]
+        sizes.append(len(chunk))
+        assert be.kv_tokens == prompt + seen[:-1]
+    assert seen == expected
+    # readings: 1 for the first token, then one per token; 0.04 s = 2.56 readings -> 3 tokens
+    assert sizes == [1] + [3] * 13
+    assert be.kv_tokens == prompt + seen[:-1]
+
+
+def test_generate_chunks_checks_at_the_call_and_honours_cancel_and_close(make, tiny_tokenizer):
+    be = make(max_context=64)
+    prompt = _prompt(tiny_tokenizer, "hi")
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        be.generate_chunks(prompt, GREEDY, 0)
+    with pytest.raises(ContextFullError, match="the context holds 64"):
+        be.generate_chunks(prompt * 10, GREEDY, 5)
+    assert be.kv_tokens == [] and be.forwarded == []          # no work was done
+    # a cancel set while suspended after the first chunk ends the stream there
+    cancel = threading.Event()
+    chunks = be.generate_chunks(prompt, GREEDY, 30, cancel=cancel, window_s=float("inf"))
+    first = next(chunks)
+    cancel.set()
+    assert list(chunks) == [] and len(first) == 1 and be.kv_tokens == prompt
+    # a stream closed after a chunk leaves that chunk's last token out of the cache
+    chunks = be.generate_chunks([], GREEDY, 30, window_s=0.0)
+    got = [next(chunks)[0].token_id for _ in range(5)]
+    chunks.close()
+    assert be.kv_tokens == prompt + got[:4]
+
+
+def test_failure_inside_a_chunk_delivers_the_tokens_before_it(make, tiny_tokenizer):
+    class FailingOnce(CountingBackend):
+        def _forward(self, tokens, pos):
+            if len(self.forwarded) == 4:   # prefill + 2 decode steps succeed
+                raise RuntimeError("injected failure")
+            return super()._forward(tokens, pos)
+
+    be = make(FailingOnce)
+    evs = list(ChatSession(be, tiny_tokenizer).generate(USERS[0], GREEDY, 20,
+                                                        window_s=float("inf")))
+    assert [len(e.ids) for e in evs if isinstance(e, TokenIds)] == [1, 2]
+    ids = [i for e in evs if isinstance(e, TokenIds) for i in e.ids]
+    assert evs[-2] == Error("RuntimeError: injected failure") and evs[-1] == Done("error")
+    assert be.kv_tokens[-2:] == ids[:2]  # the 3rd token's forward failed

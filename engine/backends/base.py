@@ -13,13 +13,20 @@ Subclasses implement two primitives and the base class keeps the bookkeeping:
 `kv_tokens`; on an exception it calls `_truncate(len(kv_tokens))` so half-written K/V and
 their pages are released. A backend with its own decode loop (CUDA graphs, GPU sampling)
 may override `generate()`, keeping the contract written in docs/INTERFACES.md.
+
+`generate_chunks()` is the same stream in lists of tokens, one list per ~window: the first
+token alone and at once, then whatever is ready each time the window has passed. A consumer
+that wakes per list rather than per token (the app's worker, the CLI) pays its per-wake
+costs (GIL hand-off, detokenizing, posting) once per window. The default groups
+`generate()`'s events; a backend with its own loop may override it with a native one
+(the CUDA backend reads its pinned ring once per window).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +137,20 @@ class Backend:
         return self._generate(new_tokens, Sampler(params), max_new_tokens,
                               frozenset(stop_ids), cancel)
 
+    def generate_chunks(self, new_tokens: Sequence[int], params, max_new_tokens: int,
+                        stop_ids: frozenset[int] = frozenset(),
+                        cancel: threading.Event | None = None,
+                        window_s: float = 0.03) -> Iterator[list[StepEvent]]:
+        """`generate()`'s events in non-empty lists, in order (docs/INTERFACES.md).
+
+        The same checks as `generate()`, raised now. The first token comes alone, as soon as
+        it is sampled; after that a list is yielded when a token is ready and `window_s` has
+        passed since the previous yield, or when the turn ends. `kv_tokens` holds every
+        yielded token but the last one at each suspension, as with `generate()`.
+        """
+        return group_steps(self.generate(new_tokens, params, max_new_tokens, stop_ids, cancel),
+                           window_s)
+
     def prepare_generate(self, new_tokens: Sequence[int], params, max_new_tokens: int
                          ) -> list[int]:
         """The checks `generate` makes before any work (shared with overriding backends):
@@ -165,6 +186,48 @@ class Backend:
                 return
             t0 = time.perf_counter()  # the consumer's time between steps is not counted
             logits = self.forward([token])
+
+
+def group_steps(steps: Iterable[StepEvent], window_s: float,
+                clock: Callable[[], float] = time.perf_counter) -> Iterator[list[StepEvent]]:
+    """Group a `generate()` stream into `generate_chunks()` lists, timed on `clock`.
+
+    The window runs from the previous yield (the consumer's time counts towards it) and is
+    checked when a token arrives: a list closes with the first token that finds the window
+    passed. Pulling the next token is what forwards the previous one, so at every yield the
+    last token of the list is sampled, not forwarded, exactly as `generate()` leaves it. If
+    `steps` raises, the tokens it yielded before are still delivered (one list), then the
+    exception. Closing this iterator closes `steps` at once.
+    """
+    it = iter(steps)
+    try:
+        first = next(it, None)
+        if first is None:
+            return
+        last = clock()
+        yield [first]               # TTFT never waits for a window
+        chunk: list[StepEvent] = []
+        while True:
+            try:
+                ev = next(it)
+            except StopIteration:   # the turn ended: stop, length, cancel, context full
+                break
+            except Exception:
+                if chunk:
+                    yield chunk
+                raise
+            chunk.append(ev)
+            now = clock()
+            if now - last >= window_s:
+                last = now
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
 
 
 class ModelFileTensors(Mapping):
