@@ -173,7 +173,11 @@ class EngineBridge:
             finally:
                 self._session = None
 
-    def _batched(self, events) -> Iterator[BridgeEvent]:
+    def _batched(self, events, clock: Callable[[], float] = time.perf_counter
+                 ) -> Iterator[BridgeEvent]:
+        """Session events -> Batch/Note/Finished/Failed. A Batch is yielded only once
+        BATCH_SECONDS have passed on `clock` since the previous one (the end of the turn and an
+        error flush what is pending at once), so the UI gets at most one Batch per window."""
         from nanoqwen.engine.session import Done, Error, Notice, Stats, TextDelta, TokenIds
 
         text: list[str] = []
@@ -187,7 +191,7 @@ class EngineBridge:
             text.clear()
             return batch
 
-        last_flush = time.perf_counter()
+        last_flush = clock()
         failed = False
         for ev in events:
             if isinstance(ev, TextDelta):
@@ -212,7 +216,9 @@ class EngineBridge:
                     yield batch
                 yield Finished(ev.reason, acc.take())
                 return
-            now = time.perf_counter()
+            if not isinstance(ev, TextDelta):
+                continue  # a token's figures travel with its text (TokenIds comes first)
+            now = clock()
             if now - last_flush >= BATCH_SECONDS and (batch := pending()):
                 yield batch
                 last_flush = now

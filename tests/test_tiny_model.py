@@ -84,13 +84,11 @@ def test_shipped_file_is_what_we_promise(engine):
     assert [p["type"] for p in tj["pre_tokenizer"]["pretokenizers"]] == ["Split", "ByteLevel"]
 
 
-def test_short_request_answers_quickly(engine):
-    t = time.perf_counter()
+def test_short_request_answers_with_code(engine):
+    # no time limit: a test never depends on this machine's speed (benchmarks measure it)
     text, stats, _ = reply(engine, "Write a Python function that adds two numbers.", max_new=64)
-    elapsed = time.perf_counter() - t
-    print(f"\n{elapsed:.2f}s, {stats.tokens_per_s:.1f} tok/s decode, TTFT {stats.ttft_ms:.0f} ms:\n{text}")
+    print(f"\n{stats.tokens_per_s:.1f} tok/s decode, TTFT {stats.ttft_ms:.0f} ms:\n{text}")
     assert "```" in text
-    assert elapsed < 15, elapsed  # a few seconds on 2 cores; generous for a busy CI machine
 
 
 def test_heldout_requests_get_parsable_code(engine):
