@@ -1,11 +1,13 @@
 """The chat screen: message list, prompt, perf panel; one reply streaming at a time.
 
 A reply's life: `send` stores the user message and an empty assistant row, mounts the
-widgets and starts `_generate` in a thread worker. The worker iterates the bridge (which
-batches ~40 ms of text + the engine's timings per event) and forwards each event with
-`post_message`; `on_reply_event` writes the text to the store *before* handing it to the
-Markdown stream, so whatever is on screen is already on disk. Esc cancels through the
-bridge; the partial reply stays, marked "stopped".
+widgets, asks the engine service for the reply (`submit`, in the UI thread: it only builds
+the iterator, so an Esc that comes before the worker starts is not lost) and iterates it in a
+thread worker. The service sends at most one event per ~40 ms window (text + the engine's
+timings); the worker forwards each with `post_message`; `on_reply_event` writes the text to
+the store *before* handing it to the Markdown stream, so whatever is on screen is already on
+disk, and then tells the perf panel when that text reached the screen. Esc cancels through
+the service; the partial reply stays, marked "stopped".
 
 The message list is anchored to its end (Textual's `anchor()`): it follows the stream until
 the user scrolls up, and follows again once they scroll back down.
@@ -14,6 +16,8 @@ the user scrolls up, and follows again once they scroll back down.
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +29,8 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Label, Markdown, ProgressBar
 
-from .bridge import Batch, BridgeEvent, Failed, Finished, Note
+from nanoqwen.engine.service import Batch, Failed, Finished, Note, ServiceEvent
+
 from .perf import ModelInfo, PerfPanel
 from .screens import ChatsScreen, ExportScreen
 from .widgets import ENTER_HINT, AssistantMessage, CodeFence, PromptInput, UserMessage
@@ -51,9 +56,9 @@ def _title(text: str) -> str:
 
 
 class ReplyEvent(Message):
-    """A bridge event for reply `gen_id`, posted from the generation worker."""
+    """An engine service event for reply `gen_id`, posted from the generation worker."""
 
-    def __init__(self, gen_id: int, event: BridgeEvent) -> None:
+    def __init__(self, gen_id: int, event: ServiceEvent) -> None:
         super().__init__()
         self.gen_id = gen_id
         self.event = event
@@ -73,6 +78,8 @@ class ChatScreen(Screen):
     CSS_PATH = "chat.tcss"
     BINDINGS = [Binding(key, action, short, show=show)
                 for key, action, short, _, show in CHAT_ACTIONS]
+    # The UI clock for what the person sees (Enter, text on screen); replaceable in tests.
+    clock = staticmethod(time.perf_counter)
 
     def __init__(self) -> None:
         super().__init__()
@@ -142,13 +149,13 @@ class ChatScreen(Screen):
         return [{"role": m.role, "content": m.content} for m in stored if m.role != "system"]
 
     def _update_context(self, history: list[dict] | None = None) -> None:
-        bridge = self.app.bridge
-        if bridge is None:
+        engine = self.app.engine
+        if engine is None:
             return
         try:
             if history is None:
                 history = self._history()
-            n = bridge.count_tokens(history, self.app.settings.system_prompt)
+            n = engine.count_tokens(history, self.app.settings.system_prompt)
         except Exception:  # noqa: BLE001 - a gauge must never take the screen down
             return
         self.perf.set_context(n)
@@ -181,10 +188,11 @@ class ChatScreen(Screen):
 
     async def send(self, text: str) -> bool:
         """Send a user message; False (with a notification) if it cannot go now."""
+        t0 = self.clock()   # Enter: where the TTFT the person sees starts
         app = self.app
         if not text.strip():
             return False
-        if app.bridge is None:
+        if app.engine is None:
             self.notify("No model is loaded: ctrl+l opens one", severity="warning")
             return False
         if self.generating:
@@ -192,15 +200,15 @@ class ChatScreen(Screen):
             return False
         store = app.store
         if self.chat_id is None:
-            self.chat_id = store.new_chat(_title(text), app.bridge.model.name)
+            self.chat_id = store.new_chat(_title(text), app.engine.info.name)
             app.title = f"nanoqwen-chat — {_title(text)}"
         history = self._history()
         msg_id = store.add_message(self.chat_id, "user", text)
         await self.query_one("#messages").mount(UserMessage(text, msg_id))
-        await self._start_reply(history, text)
+        await self._start_reply(history, text, t0)
         return True
 
-    async def _start_reply(self, history: list[dict], text: str) -> None:
+    async def _start_reply(self, history: list[dict], text: str, t0: float) -> None:
         app = self.app
         msg_id = app.store.add_message(self.chat_id, "assistant", "", finish=None)
         widget = AssistantMessage("", msg_id)
@@ -211,20 +219,18 @@ class ChatScreen(Screen):
         self._gen += 1
         self.reply = self.last_reply = _Streaming(self._gen, msg_id, widget,
                                                   Markdown.get_stream(widget))
-        self.perf.start_reply()
+        self.perf.start_reply(t0)
         s = app.settings
-        self._generate(self._gen, history, text, s.sampler_params(), s.max_new_tokens,
-                       s.system_prompt)
+        self._generate(self._gen, app.engine.submit(history, text, s.sampler_params(),
+                                                    s.max_new_tokens, s.system_prompt))
 
     @work(thread=True, group="generate", exit_on_error=False)
-    def _generate(self, gen_id: int, history: list[dict], text: str, params,
-                  max_new_tokens: int, system_prompt: str) -> None:
+    def _generate(self, gen_id: int, events: Iterator[ServiceEvent]) -> None:
         # Runs off the event loop; the UI hears only batched events, by message.
         try:
-            for ev in self.app.bridge.submit(history, text, params, max_new_tokens,
-                                             system_prompt):
+            for ev in events:
                 self.post_message(ReplyEvent(gen_id, ev))
-        except Exception as e:  # noqa: BLE001 - the bridge should not raise; if it does, say so
+        except Exception as e:  # noqa: BLE001 - the service should not raise; if it does, say so
             self.post_message(ReplyEvent(gen_id, Failed(f"{type(e).__name__}: {e}", "engine")))
 
     async def on_reply_event(self, m: ReplyEvent) -> None:
@@ -234,21 +240,25 @@ class ChatScreen(Screen):
         ev = m.event
         store = self.app.store
         if isinstance(ev, Batch):
+            shown_at = None
             if ev.text:
                 r.batches += 1
                 r.text += ev.text
                 store.update_message(r.msg_id, r.text)   # on disk before it is on screen
                 await r.stream.write(ev.text)
+                shown_at = self.clock()
             if ev.stats is not None:
-                self.perf.record(ev.stats)
+                self.perf.record(ev.stats, shown_at)
         elif isinstance(ev, Note):
             self.notify(ev.message, severity="warning", timeout=8)
         elif isinstance(ev, (Finished, Failed)):
             self.reply = None
             stats = ev.stats.__dict__ if isinstance(ev, Finished) and ev.stats else None
             if stats:
-                stats = {k: v for k, v in stats.items() if k != "step_ms"}
                 self.perf.record(ev.stats)
+                stats = {k: v for k, v in stats.items() if k != "step_ms"}
+                stats.update(seen_ttft_ms=self.perf.seen_ttft_ms,
+                             screen_tokens_per_s=self.perf.screen_tokens_per_s)
             finish = ev.reason if isinstance(ev, Finished) else "error"
             store.update_message(r.msg_id, r.text, finish=finish, stats=stats)
             await r.stream.stop()
@@ -263,8 +273,8 @@ class ChatScreen(Screen):
 
     # --- actions -------------------------------------------------------------------------
     def action_stop(self) -> None:
-        if self.generating and self.app.bridge is not None:
-            self.app.bridge.cancel()
+        if self.generating and self.app.engine is not None:
+            self.app.engine.cancel()
 
     def _idle(self, what: str) -> bool:
         if self.generating:
@@ -273,12 +283,13 @@ class ChatScreen(Screen):
         return True
 
     async def action_regenerate(self) -> None:
+        t0 = self.clock()   # the key press, as Enter is for send
         if not self._idle("regenerate"):
             return
         if self.chat_id is None:
             self.notify("There is no reply to regenerate yet", severity="warning")
             return
-        if self.app.bridge is None:
+        if self.app.engine is None:
             self.notify("No model is loaded: ctrl+l opens one", severity="warning")
             return
         msgs = self.app.store.messages(self.chat_id)
@@ -293,7 +304,7 @@ class ChatScreen(Screen):
                 if getattr(w, "msg_id", None) == m.id:
                     await w.remove()
         history = self._history(msgs[:i])
-        await self._start_reply(history, msgs[i].content)
+        await self._start_reply(history, msgs[i].content, t0)
 
     def action_new_chat(self) -> None:
         if self._idle("start a new chat"):

@@ -2,9 +2,13 @@
 palette) and the console entry point. The chat itself is app/chat.py.
 
 Model choice at start: --model, else the last model used (settings.last_model), else the
-engine's bundled model (`loader.default_model_path()`). Loading runs in a thread worker with a
+engine's bundled model (`default_model_path()`). Loading runs in a thread worker with a
 progress bar; a model that cannot be used opens the model screen with the reason (never a
 traceback) and the app stays up without a model until one loads.
+
+Everything model-side goes through one `nanoqwen.engine.EngineService` (`self.engine`): the
+app imports no torch and reads no backend attribute. Torch is first imported by the load
+worker, when the service opens the model, so the screen is up before torch costs anything.
 
 Test hooks (documented, used by tests/test_app*.py): `settings_path` / `db_path` put the
 settings and the history elsewhere (tests usually set XDG_CONFIG_HOME/XDG_DATA_HOME
@@ -28,7 +32,8 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.screen import Screen
 
-from .bridge import EngineBridge
+from nanoqwen.engine.service import EngineService, default_model_path
+
 from .chat import CHAT_ACTIONS, ChatScreen
 from .perf import ModelInfo
 from .screens import HelpScreen, ModelScreen, SettingsScreen
@@ -40,9 +45,9 @@ LOAD_PROGRESS_INTERVAL = 0.05  # seconds between progress messages from the load
 
 
 class ModelLoaded(Message):
-    def __init__(self, bridge: EngineBridge) -> None:
+    def __init__(self, engine: EngineService) -> None:
         super().__init__()
-        self.bridge = bridge
+        self.engine = engine
 
 
 class ModelFailed(Message):
@@ -81,7 +86,7 @@ class NanoqwenApp(App[None]):
             # Keep the app usable: chats of this run live in memory only.
             self.store = ChatStore(":memory:")
             self._store_warning = f"{e}. Chats of this session will not be saved."
-        self.bridge: EngineBridge | None = None
+        self.engine: EngineService | None = None   # the loaded model, through the service
         self.loading = False
 
     # A mode (not get_default_screen) so Textual loads the screen's own CSS_PATH.
@@ -97,8 +102,6 @@ class NanoqwenApp(App[None]):
         self.load_model(self.initial_model_path())
 
     def initial_model_path(self) -> Path:
-        from nanoqwen.engine.loader import default_model_path
-
         if self.model_arg is not None:
             return self.model_arg
         last = self.settings.last_model
@@ -133,27 +136,27 @@ class NanoqwenApp(App[None]):
         from nanoqwen.engine.errors import NanoqwenError
 
         try:
-            bridge = EngineBridge.open(path, backend=backend, mode=mode, progress=progress)
+            engine = EngineService.open(path, backend=backend, mode=mode, progress=progress)
         except NanoqwenError as e:
             self.post_message(ModelFailed(path, str(e)))
         except Exception as e:  # noqa: BLE001 - an unusable file must not become a traceback
             self.post_message(ModelFailed(path, f"{type(e).__name__}: {e}"))
         else:
-            self.post_message(ModelLoaded(bridge))
+            self.post_message(ModelLoaded(engine))
 
     def on_load_progress(self, m: LoadProgress) -> None:
         self.chat.load_progress(m.done, m.total, m.what)
 
     def on_model_loaded(self, m: ModelLoaded) -> None:
         self.loading = False
-        old, self.bridge = self.bridge, m.bridge
+        old, self.engine = self.engine, m.engine
         if old is not None:
             old.close()
-        info = m.bridge.model
+        info = m.engine.info
         self.settings.last_model = str(info.path.resolve())
         self._save_settings()
         self.chat.model_ready(ModelInfo(info.backend, info.device, info.name, info.modes,
-                                        m.bridge.mode, info.max_context, info.fallback))
+                                        m.engine.mode, info.max_context, info.fallback))
         msg = f"{info.name} on the {info.backend} backend ({info.device})"
         if info.fallback:
             msg += f": {info.fallback}"
@@ -174,7 +177,7 @@ class NanoqwenApp(App[None]):
             self.load_model(Path(path).expanduser())
 
     def action_open_model(self) -> None:
-        current = str(self.bridge.model.path) if self.bridge else ""
+        current = str(self.engine.info.path) if self.engine else ""
         self.push_screen(ModelScreen(current), self._picked_model)
 
     # --- settings and decode mode ----------------------------------------------------------
@@ -185,7 +188,7 @@ class NanoqwenApp(App[None]):
             self.notify(f"Could not save the settings: {e}", severity="error")
 
     def action_settings(self) -> None:
-        modes = self.bridge.model.modes if self.bridge else None
+        modes = self.engine.info.modes if self.engine else None
         self.push_screen(SettingsScreen(self.settings, modes), self._settings_done)
 
     def _settings_done(self, new: Settings | None) -> None:
@@ -194,20 +197,20 @@ class NanoqwenApp(App[None]):
         new.last_model = self.settings.last_model
         self.settings = new
         self._save_settings()
-        if self.bridge is not None and new.decode_mode in self.bridge.model.modes:
-            self.bridge.set_mode(new.decode_mode)
+        if self.engine is not None and new.decode_mode in self.engine.info.modes:
+            self.engine.set_mode(new.decode_mode)
             self.chat.perf.set_mode(new.decode_mode)
         self.notify("Saved; they apply from the next reply", title="Settings")
 
     def toggle_mode(self) -> None:
-        b = self.bridge
+        b = self.engine
         if b is None:
             self.notify("No model is loaded", severity="warning")
             return
-        modes = b.model.modes
+        modes = b.info.modes
         if len(modes) < 2:
             # Nothing to switch: say so rather than flip a label.
-            self.notify(f"The {b.model.backend} backend has only {modes[0]} decode; "
+            self.notify(f"The {b.info.backend} backend has only {modes[0]} decode; "
                         "CUDA-graph decode needs the CUDA backend (a GPU and the built "
                         "extension).", title="Decode mode", severity="warning", timeout=8)
             return
@@ -246,8 +249,8 @@ class NanoqwenApp(App[None]):
         reply = getattr(self, "chat", None) and self.chat.reply
         if reply:
             self.store.update_message(reply.msg_id, reply.text, finish="cancelled")
-        if self.bridge is not None:
-            self.bridge.cancel()
+        if self.engine is not None:
+            self.engine.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,29 +1,39 @@
-"""The perf panel: the engine's own figures for the current reply, always on screen.
+"""The perf panel: what the engine does and what reaches the person, for the current reply.
 
-Everything shown comes from the bridge's `StatsUpdate` events, i.e. from the backend's
-timing of each step (GPU events on CUDA, perf_counter around forward+sample on the
-reference backend), never from UI timers: the UI only learns the figures in batches, so a
-UI-side clock would measure batching, not decoding.
+Two kinds of figures, side by side:
+  * the engine's own, from the service's `StatsUpdate`s (the backend's timing of each step:
+    GPU events on CUDA, perf_counter around forward+sample on the reference backend): the
+    decode rate over the last second of steps (rolling, not the last token), its median
+    ms/token over the same steps, TTFT (prefill + first sample) and the prompt's tokens/s
+    (known when the reply ends: the session reports the prefill split in its final Stats);
+  * what the person sees, measured in the UI: the chat screen passes the wall-clock time at
+    which each Batch was written to the Markdown stream (`record(stats, shown_at=t)`), and the
+    time the message was sent (`start_reply(t0)`, Enter); from those come the TTFT they saw
+    and the rate at which tokens reached the screen after the first text (engine SeenMeter).
 
 `freeze_timing` (a test-only switch, `NanoqwenApp(freeze_perf=True)` or the
-NANOQWEN_FREEZE_PERF=1 environment variable) replaces the figures that vary from run to run
-(ms/token, TTFT, tok/s and its sparkline) with a fixed "frozen" marker, so SVG snapshots
-are deterministic. Token counts, backend, model and mode stay real.
+NANOQWEN_FREEZE_PERF=1 environment variable) replaces every figure that varies from run to
+run (rates, ms, TTFTs, the sparkline) with a fixed "(frozen)" marker, all of them as soon as a
+reply has reported anything (whether a figure exists yet can depend on timing too), so SVG
+snapshots are deterministic. Token counts, backend, model and mode stay real.
+
+Work per update is bounded (the service keeps the rolling window; the sparkline keeps at most
+_MAX_POINTS points), so a long reply does not make the panel slower.
 """
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Label, Sparkline, Static
 
-from .bridge import StatsUpdate
+from nanoqwen.engine.service import SeenMeter, StatsUpdate
 
 # Keep the sparkline bounded on long replies; Sparkline buckets to its width anyway.
 _MAX_POINTS = 2048
+_INDENT = " " * 10   # continuation lines line up under the values ("decode    ")
 
 
 @dataclass
@@ -40,12 +50,19 @@ class ModelInfo:
 class PerfPanel(Vertical):
     """Right-hand panel. Call `set_model`, `start_reply`, `record` and `set_mode`."""
 
+    # A long fallback reason in a short terminal scrolls the panel rather than hiding rows.
+    DEFAULT_CSS = """
+    PerfPanel { overflow-y: auto; }
+    """
+
     def __init__(self, freeze_timing: bool = False, **kw) -> None:
         super().__init__(**kw)
         self.freeze_timing = freeze_timing
         self.info: ModelInfo | None = None
         self.steps_ms: list[float] = []     # decode step times of the current reply
+        self._rates: list[float] = []       # the same as tok/s, for the sparkline
         self.last: StatsUpdate | None = None
+        self.seen = SeenMeter()
         self.kv_len = 0
 
     def compose(self) -> ComposeResult:
@@ -54,8 +71,9 @@ class PerfPanel(Vertical):
         yield Static("", id="perf-model")
         yield Static("", id="perf-mode")
         yield Static("", id="perf-decode")
-        yield Static("", id="perf-median")
+        yield Static("", id="perf-screen")
         yield Static("", id="perf-ttft")
+        yield Static("", id="perf-prompt")
         yield Label("tok/s over the reply", classes="perf-caption")
         yield Sparkline([], id="perf-spark")
         yield Static("", id="perf-context")
@@ -66,10 +84,8 @@ class PerfPanel(Vertical):
     # --- inputs ---------------------------------------------------------------------
     def set_model(self, info: ModelInfo | None) -> None:
         self.info = info
-        self.steps_ms = []
-        self.last = None
         self.kv_len = 0
-        self._refresh()
+        self.start_reply()
 
     def set_mode(self, mode: str) -> None:
         if self.info is not None:
@@ -80,14 +96,24 @@ class PerfPanel(Vertical):
         self.kv_len = kv_len
         self._refresh()
 
-    def start_reply(self) -> None:
+    def start_reply(self, t0: float | None = None) -> None:
+        """A new reply was asked for at `t0` (the UI clock; now if None)."""
         self.steps_ms = []
+        self._rates = []
         self.last = None
+        self.seen.start(t0)
         self._refresh()
 
-    def record(self, s: StatsUpdate) -> None:
+    def record(self, s: StatsUpdate, shown_at: float | None = None) -> None:
+        """The engine's figures so far; `shown_at`: when the text that came with them was
+        written to the screen (None: no text came with them)."""
         self.steps_ms.extend(s.step_ms)
-        del self.steps_ms[:-_MAX_POINTS]
+        self._rates.extend(1000.0 / max(m, 1e-3) for m in s.step_ms)
+        if len(self.steps_ms) > _MAX_POINTS:
+            del self.steps_ms[:-_MAX_POINTS]
+            del self._rates[:-_MAX_POINTS]
+        if shown_at is not None:
+            self.seen.wrote(s.n_generated, shown_at)
         self.last = s
         self.kv_len = s.kv_len
         if self.info is not None:
@@ -98,28 +124,56 @@ class PerfPanel(Vertical):
     # --- figures (also read by tests) -------------------------------------------------
     @property
     def live_ms(self) -> float | None:
+        """The latest decode step."""
         return self.last.ms_per_token if self.last else None
 
     @property
     def median_ms(self) -> float | None:
-        return statistics.median(self.steps_ms) if self.steps_ms else None
+        """Median decode step of the whole reply (once it has ended)."""
+        return self.last.median_ms if self.last else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """The engine's decode rate over the last second of steps."""
+        return self.last.rolling_tokens_per_s if self.last else None
+
+    @property
+    def decode_median_ms(self) -> float | None:
+        return self.last.rolling_median_ms if self.last else None
 
     @property
     def ttft_ms(self) -> float | None:
+        """TTFT as the engine measured it."""
         return self.last.ttft_ms if self.last else None
+
+    @property
+    def seen_ttft_ms(self) -> float | None:
+        """TTFT as the person saw it: Enter to the first character on the screen."""
+        return self.seen.ttft_ms
+
+    @property
+    def screen_tokens_per_s(self) -> float | None:
+        """Tokens that reached the screen per wall second since the reply's first text."""
+        return self.seen.tokens_per_s
+
+    @property
+    def prompt_tokens_per_s(self) -> float | None:
+        return self.last.prefill_tokens_per_s if self.last else None
 
     # --- rendering --------------------------------------------------------------------
     def _fmt(self, v: float | None, unit: str) -> str:
+        if self.freeze_timing:
+            # whether a figure exists can depend on timing too (a rate needs two writes), so
+            # frozen figures appear together, as soon as a reply has reported anything
+            return f"(frozen) {unit}" if self.last is not None else "—"
         if v is None:
             return "—"
-        if self.freeze_timing:
-            return f"(frozen) {unit}"
         return f"{v:.2f} {unit}" if v < 100 else f"{v:.0f} {unit}"
 
     def _refresh(self) -> None:
         if not self.is_mounted:
             return
-        info = self.info
+        info, last, fmt = self.info, self.last, self._fmt
         q = self.query_one
         if info is None:
             q("#perf-backend", Static).update("backend   [dim]no model loaded[/]")
@@ -138,12 +192,18 @@ class PerfPanel(Vertical):
                 other = [m for m in info.modes if m != info.mode]
                 mode = f"mode      [b]{info.mode}[/] [dim](ctrl+g: {'/'.join(other)})[/]"
             q("#perf-mode", Static).update(mode)
-        tag = f" [dim]({self.last.mode})[/]" if self.last else ""
-        q("#perf-decode", Static).update(f"decode    {self._fmt(self.live_ms, 'ms/tok')}{tag}")
-        q("#perf-median", Static).update(f"median    {self._fmt(self.median_ms, 'ms/tok')}")
-        q("#perf-ttft", Static).update(f"TTFT      {self._fmt(self.ttft_ms, 'ms')}")
+        tag = f" [dim]({last.mode})[/]" if last else ""
+        q("#perf-decode", Static).update(
+            f"decode    {fmt(self.decode_tokens_per_s, 'tok/s')}{tag}\n"
+            f"{_INDENT}{fmt(self.decode_median_ms, 'ms/tok')} [dim]median[/]")
+        q("#perf-screen", Static).update(
+            f"screen    {fmt(self.screen_tokens_per_s, 'tok/s')}")
+        q("#perf-ttft", Static).update(
+            f"TTFT      {fmt(self.ttft_ms, 'ms')} [dim]engine[/]\n"
+            f"{_INDENT}{fmt(self.seen_ttft_ms, 'ms')} [dim]seen[/]")
+        q("#perf-prompt", Static).update(f"prompt    {fmt(self.prompt_tokens_per_s, 'tok/s')}")
         spark = q("#perf-spark", Sparkline)
-        spark.data = [] if self.freeze_timing else [1000.0 / max(m, 1e-3) for m in self.steps_ms]
+        spark.data = [] if self.freeze_timing else self._rates[:]  # a new list: reactive
         max_ctx = info.max_context if info else 0
         pct = f" ({100 * self.kv_len / max_ctx:.0f}%)" if max_ctx else ""
         q("#perf-context", Static).update(f"context   {self.kv_len} / {max_ctx}{pct}")

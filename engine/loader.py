@@ -20,16 +20,10 @@ import torch
 from .backends.base import Backend
 from .errors import BackendUnavailable, NanoqwenError
 from .format import ModelFile, Progress, open_model
+from .service import default_model_path  # defined where the torch-free app can reach it
 from .tokenizer import Tokenizer
 
 BACKENDS = ("auto", "cuda", "reference")
-
-
-def default_model_path() -> Path:
-    """The model bundled in assets/ (it may not exist; callers report that)."""
-    from nanoqwen import REPO_ROOT
-
-    return REPO_ROOT / "assets" / "tiny" / "tiny.nanoqwen"
 
 
 @dataclass

@@ -26,10 +26,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
-
 from .errors import NanoqwenError
+
+# torch and numpy are imported inside the sampler functions, not here: SamplerParams is what
+# the app's settings need, and the app must start without loading torch (the engine service
+# loads it with the model). Annotations are strings (`from __future__ import annotations`).
 
 class SamplerError(NanoqwenError, ValueError):
     """A sampler setting outside its allowed range; the message names the field."""
@@ -146,6 +147,8 @@ def apply_repeat_penalty(logits: torch.Tensor, history: Sequence[int], penalty: 
     """Penalised copy of `logits` [V] (or `logits` itself when the penalty is off)."""
     if penalty == 1.0 or last_n == 0 or len(history) == 0:
         return logits
+    import torch
+
     window = history if last_n < 0 else history[-last_n:]
     ids = torch.as_tensor(list(window), dtype=torch.long)
     if int(ids.min()) < 0 or int(ids.max()) >= logits.shape[0]:
@@ -166,6 +169,9 @@ def _candidates(logits: torch.Tensor, p: SamplerParams) -> tuple[torch.Tensor, t
     threshold and the survivors are `vals >= max(top-p cut, min-p cut)`. Ties at the top-p
     cut are kept together (llama.cpp's unstable sort keeps an arbitrary one of them).
     """
+    import numpy as np
+    import torch
+
     V = logits.shape[0]
     if 0 < p.top_k < V:
         vals, ids = torch.topk(logits, p.top_k)
@@ -202,6 +208,8 @@ class Sampler:
     """The reference sampler: one token id per call, reproducible for a fixed seed."""
 
     def __init__(self, params: SamplerParams):
+        import torch
+
         self.params = params.validate()
         # seed -1: a fresh random seed, kept in .seed so a run can be reproduced.
         self.seed: int = int.from_bytes(os.urandom(8), "little") if params.seed < 0 \
@@ -211,6 +219,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         """Draw the next id from fp32 `logits` [V]; `history` is the context so far."""
+        import torch
+
         if logits.dim() != 1:
             raise ValueError(f"logits must be 1-D [V], got shape {tuple(logits.shape)}")
         p = self.params

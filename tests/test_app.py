@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import math
 import os
 import signal
 import sqlite3
@@ -21,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from nanoqwen.app.bridge import BATCH_SECONDS, Batch, EngineBridge, Finished
 from nanoqwen.app.chat import CHAT_ACTIONS
 from nanoqwen.app.main import NanoqwenApp
 from nanoqwen.app.screens import ChatsScreen, ExportScreen, HelpScreen, ModelScreen, SettingsScreen
@@ -68,7 +66,7 @@ async def wait_for(pilot, cond, timeout: float = 60.0, what: str = "condition") 
 
 
 async def loaded(app, pilot) -> None:
-    await wait_for(pilot, lambda: app.bridge is not None, what="the model to load")
+    await wait_for(pilot, lambda: app.engine is not None, what="the model to load")
 
 
 async def send(app, pilot, text: str | None) -> AssistantMessage:
@@ -134,64 +132,57 @@ async def test_prompt_streams_a_reply_that_matches_the_engine(dirs, tiny_model_p
         # figures are the engine's (StepEvent timings), present once a reply ran
         assert perf.ttft_ms > 0 and perf.median_ms > 0 and len(perf.steps_ms) == n - 1
         assert perf.kv_len == msgs[1].stats["kv_len"] > n
+        assert perf.decode_tokens_per_s > 0 and perf.decode_median_ms > 0
+        assert perf.prompt_tokens_per_s == msgs[1].stats["prefill_tokens_per_s"] > 0
+        # ... and what the screen saw: Enter comes before the prefill the engine's TTFT times
+        assert perf.seen_ttft_ms >= perf.ttft_ms and perf.screen_tokens_per_s > 0
+        assert msgs[1].stats["seen_ttft_ms"] == perf.seen_ttft_ms
         assert app.chat.query_one("#prompt", PromptInput).text == ""
 
 
-def test_engine_errors_are_described_for_people():
-    import torch
-    from nanoqwen.app.bridge import describe_error
-    from nanoqwen.engine.errors import ContextFullError, FormatError
+@aio
+async def test_perf_panel_times_what_reached_the_screen_on_the_ui_clock(dirs, tiny_model_path):
+    """The seen figures come from the chat screen's clock at Enter and at each text batch
+    written to the Markdown stream; on a test clock (0 at Enter, +0.25 s per reading) they are
+    exact, whatever this machine's speed."""
+    use_settings(max_new_tokens=60)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        ticks: list[float] = []
 
-    kind, msg = describe_error(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried 2 GiB"))
-    assert kind == "oom" and "ran out of memory" in msg and "Tried 2 GiB" in msg
-    assert describe_error(ContextFullError("9000 > 4096"))[0] == "context"
-    assert describe_error(FormatError("bad magic")) == ("engine", "bad magic")
-    assert describe_error(RuntimeError("boom")) == ("engine",
-                                                    "The engine failed (RuntimeError: boom)")
+        def clock() -> float:
+            ticks.append(0.25 * len(ticks))
+            return ticks[-1]
 
-
-def test_bridge_batches_text_by_its_window_not_per_token(tiny_model_path):
-    """What the bridge guarantees, on its own clock: a Batch only once BATCH_SECONDS have
-    passed since the previous one; the end of the turn flushes at once; no text is lost or
-    reordered. The clock is the test's: 1/64 s per engine event (exact in binary, so no
-    rounding decides a window edge), so the result does not depend on this machine's speed."""
-    from nanoqwen.engine.session import Done, Stats, TextDelta as TD, TokenIds
-
-    bridge = EngineBridge.open(tiny_model_path, backend="reference")
-    now = [0.0]
-
-    def events():
-        for i in range(100):
-            now[0] += 1 / 64
-            yield TokenIds((i,), (1.0,))
-            yield TD(f"t{i} ")
-        yield Stats(ttft_ms=1.0, ms_per_token=1.0, tokens_per_s=1000.0, n_prompt=3,
-                    n_generated=100, kv_len=103, max_context=256, mode="eager")
-        yield Done("length")
-
-    out = list(bridge._batched(events(), clock=lambda: now[0]))
-    batches = [e for e in out if isinstance(e, Batch)]
-    assert isinstance(out[-1], Finished) and out[-1].reason == "length"
-    assert "".join(b.text for b in batches) == "".join(f"t{i} " for i in range(100))
-    # a Batch after every `per` events (the first clock reading at or past the window), then
-    # the closing flush with the rest
-    per = math.ceil(BATCH_SECONDS * 64)
-    sizes = [per] * (100 // per) + ([100 % per] if 100 % per else [])
-    assert [b.text.count(" ") for b in batches] == sizes
-    assert out[-1].stats.n_generated == 100 and out[-1].stats.final
+        app.chat.clock = clock
+        await send(app, pilot, "hello")
+        await reply_done(app, pilot)
+        perf, r = app.chat.perf, app.chat.last_reply
+        assert len(ticks) == 1 + r.batches      # Enter, then one reading per text batch
+        assert perf.seen_ttft_ms == 250.0
+        (t1, n1), (tk, nk) = perf.seen.first, perf.seen.last
+        assert (t1, tk) == (0.25, 0.25 * r.batches) and 1 <= n1 <= nk <= 60
+        if r.batches > 1:
+            assert perf.screen_tokens_per_s == (nk - n1) / (tk - t1)
+        assert "250 ms seen" in str(app.chat.query_one("#perf-ttft").render())
 
 
-def test_bridge_streams_the_engine_reply_whole(tiny_model_path):
-    """The real engine through the bridge: the batches add up to the session's own reply
-    (greedy), the turn ends Finished with every token counted, and there are never more
-    batches than tokens (+1 for the closing flush) whatever the machine's speed."""
-    n = 80
-    bridge = EngineBridge.open(tiny_model_path, backend="reference")
-    out = list(bridge.submit([], "hello", SamplerParams.greedy_params(), n))
-    batches = [e for e in out if isinstance(e, Batch)]
-    assert isinstance(out[-1], Finished) and out[-1].stats.n_generated == n
-    assert "".join(b.text for b in batches) == greedy_reply(tiny_model_path, [], "hello", n)
-    assert len(batches) <= n + 1
+@aio
+async def test_the_chat_screen_is_usable_at_80x24(dirs, tiny_model_path):
+    """Every perf row and the prompt stay on screen in a small terminal (with the fallback
+    line of the auto backend on a machine without CUDA)."""
+    use_settings(max_new_tokens=8)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(app, pilot)
+        await send(app, pilot, "hi")
+        await reply_done(app, pilot)
+        for sel in ("#perf-backend", "#perf-mode", "#perf-decode", "#perf-screen", "#perf-ttft",
+                    "#perf-prompt", "#perf-spark", "#perf-context", "#prompt"):
+            w = app.chat.query_one(sel)
+            geo = app.screen.find_widget(w)
+            assert geo.region.area > 0 and geo.visible_region == geo.region, sel
 
 
 @pytest.mark.slow
@@ -245,7 +236,7 @@ async def test_toggle_decode_mode_on_reference_says_there_is_only_eager(dirs, ti
         await loaded(app, pilot)
         await pilot.press("ctrl+g")
         await pilot.pause()
-        assert app.bridge.mode == "eager"
+        assert app.engine.mode == "eager"
         assert any("only eager decode" in n for n in notes(app))
         assert "(only mode here)" in str(app.chat.query_one("#perf-mode").render())
         # a reply runs in the mode the perf panel names
@@ -260,7 +251,7 @@ async def test_sampler_setting_survives_a_restart(dirs, tiny_model_path):
     app = NanoqwenApp(model=tiny_model_path)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(app, pilot)
-        bridge = app.bridge
+        engine = app.engine
         await pilot.press("ctrl+s")
         assert isinstance(app.screen, SettingsScreen)
         for name, value in (("top_k", "7"), ("temperature", "0.5")):
@@ -272,7 +263,7 @@ async def test_sampler_setting_survives_a_restart(dirs, tiny_model_path):
         await pilot.press("ctrl+s")
         await pilot.pause()
         assert not isinstance(app.screen, SettingsScreen)
-        assert app.bridge is bridge       # applied without reloading the model
+        assert app.engine is engine       # applied without reloading the model
         assert app.settings.sampler_params() == SamplerParams(temperature=0.5, top_k=7)
     on_disk = json.loads(default_settings_path().read_text())
     assert (on_disk["top_k"], on_disk["temperature"], on_disk["greedy"]) == (7, 0.5, False)
@@ -319,7 +310,7 @@ async def test_history_is_there_after_a_restart(dirs, tiny_model_path):
     app = NanoqwenApp()   # no --model: the last model used
     async with app.run_test(size=SIZE) as pilot:
         await loaded(app, pilot)
-        assert app.bridge.model.path == Path(tiny_model_path).resolve()
+        assert app.engine.info.path == Path(tiny_model_path).resolve()
         users = [w.render().plain for w in app.chat.query(UserMessage)]
         assert users == ["remember me"]
         assert [w.source for w in app.chat.query(AssistantMessage)] == [reply]
@@ -333,7 +324,7 @@ from nanoqwen.app.main import NanoqwenApp
 async def main():
     app = NanoqwenApp(model=sys.argv[1])
     async with app.run_test(size=(100, 30)) as pilot:
-        while app.bridge is None:
+        while app.engine is None:
             await pilot.pause(0.05)
         await pilot.press(*"tell me everything", "enter")
         print("sent", flush=True)
@@ -413,7 +404,7 @@ async def test_corrupt_model_opens_the_error_screen_then_the_picker_loads_one(
         await wait_for(pilot, lambda: isinstance(app.screen, ModelScreen), 30, "the error screen")
         msg = str(app.screen.query_one("#path-message").render())
         assert "Could not use the model" in msg and str(bad) in msg
-        assert app.bridge is None
+        assert app.engine is None
         field = app.screen.query_one("#path-input")
         field.value = str(tiny_model_path)
         field.focus()
@@ -570,7 +561,7 @@ async def test_engine_error_is_reported_and_the_app_stays_usable(dirs, tiny_mode
     app = NanoqwenApp(model=tiny_model_path)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(app, pilot)
-        too_long = "word " * (app.bridge.model.max_context + 100)
+        too_long = "word " * (app.engine.info.max_context + 100)
         widget = await send(app, pilot, too_long)
         await reply_done(app, pilot)
         assert any("does not fit the context" in n for n in notes(app))

@@ -183,7 +183,7 @@ def test_app_shows_the_error_on_the_model_screen(env, fake_cuda, tiny_model_path
             while not isinstance(app.screen, ModelScreen):
                 assert time.monotonic() - t0 < 30, "timed out waiting for the error screen"
                 await pilot.pause(0.02)
-            assert app.bridge is None
+            assert app.engine is None
             return str(app.screen.query_one("#path-message").render())
 
     msg = asyncio.run(run())

@@ -23,7 +23,7 @@ async def test_perf_panel_shows_graph_and_eager_figures(dirs, tiny_model_path):
         await loaded(app, pilot)
         perf = app.chat.perf
         assert perf.info.backend == "cuda" and set(perf.info.modes) == {"graph", "eager"}
-        assert app.bridge.mode == "graph"
+        assert app.engine.mode == "graph"
 
         figures = {}
         for mode in ("graph", "eager"):
@@ -39,5 +39,5 @@ async def test_perf_panel_shows_graph_and_eager_figures(dirs, tiny_model_path):
             if mode == "graph":
                 await pilot.press("ctrl+g")   # switch without a reload
                 await pilot.pause()
-                assert app.bridge.mode == "eager" and app.settings.decode_mode == "eager"
+                assert app.engine.mode == "eager" and app.settings.decode_mode == "eager"
         print(f"median ms/token: graph {figures['graph']:.3f}, eager {figures['eager']:.3f}")
