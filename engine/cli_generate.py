@@ -1,5 +1,12 @@
 """`nanoqwen generate`: one reply (or a raw continuation), streamed to stdout as it comes.
 
+It runs through the engine service, as the app does (engine/service.py): the same batches
+(at most one write per ~40 ms window, the first text at once), the same figures. `--stats`
+prints to stderr, after the reply, the engine's decode rate (tok/s and median ms/token), TTFT
+as the engine measured it and as stdout saw it (wall clock from the request to the first
+character written), the text rate on stdout (tokens per wall second from the first write to
+the last) and the prompt's tokens/s.
+
 Sampler settings: a flag that is given wins; otherwise the model file's generation config
 (SamplerParams.from_generation_config, which falls back to transformers' defaults for keys
 the file lacks), or llama.cpp's defaults when the file has no generation config at all.
@@ -12,9 +19,8 @@ from __future__ import annotations
 import sys
 
 from .errors import NanoqwenError
-from .loader import load
 from .sampling import SamplerParams
-from .session import ChatSession, Done, Error, Notice, Stats, TextDelta, generate_raw
+from .service import Batch, EngineService, Failed, Finished, Note, SeenMeter, StatsUpdate
 
 # flag name (argparse dest) -> SamplerParams field
 _FLAGS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
@@ -46,39 +52,53 @@ def cli_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise NanoqwenError("the prompt is empty (give --prompt or text on stdin)")
-    engine = load(args.model, backend=args.backend, mode=args.mode)
+    engine = EngineService.open(args.model, backend=args.backend, mode=args.mode)
     try:
-        params = sampler_params(args, engine.model_file.generation)
-        backend, tok = engine.backend, engine.tokenizer
-        max_new = backend.max_context if n == -1 else n
-        if args.stats and engine.fallback_reason:
-            print(f"backend: reference ({engine.fallback_reason})", file=sys.stderr)
+        info = engine.info
+        params = sampler_params(args, info.generation)
+        max_new = info.max_context if n == -1 else n
+        if args.stats and info.fallback:
+            print(f"backend: reference ({info.fallback})", file=sys.stderr)
+        seen = SeenMeter()     # from the request on: what a reader of stdout sees
         if args.raw:
-            events = generate_raw(backend, tok, prompt, params, max_new)
+            events = engine.submit_raw(prompt, params, max_new)
         else:
-            events = ChatSession(backend, tok, system_prompt=args.system).generate(
-                prompt, params, max_new)
+            events = engine.submit([], prompt, params, max_new, system_prompt=args.system or "")
         failed = False
         for ev in events:
-            if isinstance(ev, TextDelta):
+            if isinstance(ev, Batch) and ev.text:
                 sys.stdout.write(ev.text)
                 sys.stdout.flush()
-            elif isinstance(ev, Notice):
+                seen.wrote(ev.stats.n_generated if ev.stats else 0)
+            elif isinstance(ev, Note):
                 print(f"note: {ev.message}", file=sys.stderr)
-            elif isinstance(ev, Error):
-                print(f"nanoqwen generate: error: {ev.message}", file=sys.stderr)
+            elif isinstance(ev, Failed):
+                # the engine's own words (a NanoqwenError says what and where), not the app's
+                msg = str(ev.exception) if isinstance(ev.exception, NanoqwenError) else ev.message
+                print(f"nanoqwen generate: error: {msg}", file=sys.stderr)
                 failed = True
-            elif isinstance(ev, Stats) and args.stats:
-                print(_format_stats(ev), file=sys.stderr)
-            elif isinstance(ev, Done) and args.stats:
+            elif isinstance(ev, Finished) and args.stats:
+                if ev.stats is not None:
+                    print(format_stats(ev.stats, info.backend, seen), file=sys.stderr)
                 print(f"done: {ev.reason}", file=sys.stderr)
         return 1 if failed else 0
     finally:
         engine.close()
 
 
-def _format_stats(s: Stats) -> str:
-    ms = f"{s.ms_per_token:.2f} ms/token ({s.tokens_per_s:.1f} t/s)" if s.ms_per_token else "-"
-    return (f"backend {s.backend} ({s.mode}); prompt {s.n_prompt} tokens "
-            f"({s.n_prefilled} prefilled), TTFT {s.ttft_ms:.1f} ms; "
-            f"generated {s.n_generated}: decode {ms}; context {s.kv_len}/{s.max_context}")
+def _num(v: float | None, fmt: str, unit: str) -> str:
+    return "-" if v is None else f"{v:{fmt}} {unit}"
+
+
+def format_stats(s: StatsUpdate, backend: str, seen: SeenMeter) -> str:
+    """The --stats lines: the engine's figures, then what stdout saw."""
+    decode = (f"{_num(s.tokens_per_s, '.1f', 'tok/s')}, median "
+              f"{_num(s.median_ms, '.2f', 'ms/token')}")
+    return "\n".join([
+        f"backend {backend} ({s.mode}); prompt {s.n_prompt} tokens ({s.n_prefilled} prefilled, "
+        f"{_num(s.prefill_tokens_per_s, '.1f', 'tok/s')}); generated {s.n_generated}; "
+        f"context {s.kv_len}/{s.max_context}",
+        f"engine: decode {decode}; TTFT {_num(s.ttft_ms, '.1f', 'ms')}",
+        f"stdout: TTFT {_num(seen.ttft_ms, '.1f', 'ms')} (request to first character); text "
+        f"{_num(seen.tokens_per_s, '.1f', 'tok/s')} (first to last write)",
+    ])

@@ -7,6 +7,7 @@ interpreter start-up.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -47,6 +48,16 @@ def test_generate_streams_the_session_text(tiny_model_path):
     expected = session_text(tiny_model_path, PROMPT, 24, system=SYSTEM)
     assert r.stdout == expected and len(expected) > 0
     assert "TTFT" in r.stderr and "generated 24" in r.stderr and "done: length" in r.stderr
+    # --stats: the engine's figures and what stdout saw, from the same engine service as the app
+    num = r"(\d+\.\d+)"
+    m = re.search(rf"engine: decode {num} tok/s, median {num} ms/token; TTFT {num} ms", r.stderr)
+    assert m and float(m[1]) > 0 and float(m[2]) > 0, r.stderr
+    engine_ttft = float(m[3])
+    seen = re.search(rf"stdout: TTFT {num} ms \(request to first character\); text {num} tok/s",
+                     r.stderr)
+    # stdout's clock starts before the prefill that the engine's TTFT times
+    assert seen and float(seen[1]) >= engine_ttft > 0 and float(seen[2]) > 0, r.stderr
+    assert re.search(rf"prompt \d+ tokens \(\d+ prefilled, {num} tok/s\)", r.stderr), r.stderr
 
 
 def test_generate_reads_the_prompt_from_stdin_raw(tiny_model_path):
