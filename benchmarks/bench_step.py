@@ -46,6 +46,9 @@ def main() -> None:
     nh, d = cfg.num_attention_heads, cfg.head_dim
     xn = be._xn  # the step's normed-x buffer; a q buffer for the unfused attention pair:
     q = torch.zeros(1, nh, d, dtype=torch.float16, device=be.device)
+    ring = torch.zeros(256, 4, dtype=torch.int32).pin_memory()   # advance_step's own ring
+    halt = torch.zeros(1, dtype=torch.int32).pin_memory()
+    no_stops = torch.zeros(9, dtype=torch.int32, device=be.device)
     rows = [  # the step's launches (default: norms as their own launches), count per token
         ("embed_gather", 1, lambda i: o.embed_gather(be.hidden, be.embed, be.token_in)),
         ("rmsnorm", 2 * nl + 1, lambda i: o.rmsnorm(xn, be.hidden, layers[i % nl].ln1, eps)),
@@ -66,7 +69,7 @@ def main() -> None:
             be.sampled, be.work, be.logits, be.ctx_tokens, be.pos, be.params_f, be.params_i,
             be.counter)),
         ("advance_step", 1, lambda i: o.advance_step(
-            be.token_in, be.pos, be.ctx_tokens, be.counter, be.host_ring, be.sampled)),
+            be.token_in, be.pos, be.ctx_tokens, be.counter, ring, be.sampled, no_stops, halt)),
     ]
     other = [  # alternatives, timed the same way, not summed: the fused-norm GEMVs
         # (NANOQWEN_FUSE_NORM=1) and the session-1 pair attention_decode replaced
@@ -98,14 +101,16 @@ def main() -> None:
             if not name.startswith("(alt)"):
                 total += us * count
             print(f"| {name} | {us:.2f} | {count} | {us * count:.1f} |")
-        # the whole captured step (it advances pos; reset it before every replay)
+        # the whole captured step (it advances pos; reset it before every replay); a fresh
+        # turn first, so the halt-gated graph runs its body
+        be.core.begin_turn([])
         times = []
         for _ in range(9):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(be.stream):
                 be.pos.fill_(pos_val)
                 s.record(be.stream)
-                be.graph.replay()
+                be.core.run_step(True)
                 e.record(be.stream)
             e.synchronize()
             times.append(s.elapsed_time(e) * 1e3)

@@ -10,15 +10,22 @@
 // basic_ostream::_M_insert<long> from check_dims). Messages are built with std::string and
 // std::to_string and handed to TORCH_CHECK as one std::string, which c10::str passes through
 // without a stream.
+#include <Python.h>  // only to release the GIL around the engine core's waits (class Engine)
+
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <memory>
 #include <string>
+#include <tuple>
+#include <vector>
 #include <type_traits>
 
+#include "engine.h"
 #include "gemv.h"
 #include "kernels.h"
 
@@ -74,7 +81,7 @@ void check_arg(const char* op, const char* name, const Tensor& t, at::ScalarType
 }
 
 void check_dims(const char* op, const char* name, const Tensor& t,
-                std::initializer_list<int64_t> dims) {
+                const std::vector<int64_t>& dims) {
   bool ok = t.dim() == (int64_t)dims.size();
   int64_t i = 0;
   for (int64_t d : dims) {
@@ -319,38 +326,49 @@ void sample_token(Tensor& out_token, Tensor& work, const Tensor& logits, const T
                                           counter.data_ptr<int64_t>(), stream_of(out_token)));
 }
 
+void check_pinned(const char* op, const char* name, const Tensor& t, int64_t cols) {
+  NQ_CHECK(t.device().is_cpu() && t.is_pinned(), op, ": ", name,
+           " must be a pinned CPU tensor (the kernel writes it directly)");
+  NQ_CHECK(t.scalar_type() == at::kInt && t.is_contiguous() && t.size(0) >= 1 &&
+               (cols == 0 ? t.dim() == 1 : (t.dim() == 2 && t.size(1) == cols)),
+           op, ": ", name, " must be a contiguous int32 ", cols == 0 ? "[n >= 1]" : "[R >= 1, 4]",
+           ", got ", at::toString(t.scalar_type()), " ", shape_str(t));
+}
+
+// The device alias of pinned host memory (with unified addressing, the host address).
+void* mapped(const Tensor& t) {
+  void* dev = nullptr;
+  if (cudaHostGetDevicePointer(&dev, t.data_ptr(), 0) != cudaSuccess) {
+    (void)cudaGetLastError();
+    dev = t.data_ptr();
+  }
+  return dev;
+}
+
 void advance_step(Tensor& token_in, Tensor& pos, Tensor& ctx_tokens, Tensor& counter,
-                  Tensor& host_ring, const Tensor& sampled) {
+                  Tensor& host_ring, const Tensor& sampled, const Tensor& stops, Tensor& halt) {
   const char* op = "advance_step";
   check_arg(op, "token_in", token_in, at::kInt);
   check_arg(op, "pos", pos, at::kInt);
   check_arg(op, "ctx_tokens", ctx_tokens, at::kInt);
   check_arg(op, "counter", counter, at::kLong);
   check_arg(op, "sampled", sampled, at::kInt);
-  NQ_CHECK(host_ring.device().is_cpu() && host_ring.is_pinned(), op,
-              ": host_ring must be a pinned CPU tensor (the kernel writes it directly)");
-  NQ_CHECK(host_ring.scalar_type() == at::kInt && host_ring.is_contiguous() &&
-                  host_ring.dim() == 1 && host_ring.size(0) >= 1,
-              op, ": host_ring must be a contiguous int32 [R >= 1], got ",
-              at::toString(host_ring.scalar_type()), " ", shape_str(host_ring));
+  check_arg(op, "stops", stops, at::kInt);
+  check_pinned(op, "host_ring", host_ring, 4);
+  check_pinned(op, "halt", halt, 0);
   for (const Tensor* t : Ts{&token_in, &pos, &counter, &sampled}) check_dims(op, "a scalar", *t, {1});
   check_dims(op, "ctx_tokens", ctx_tokens, {-1});
-  for (const Tensor* t : Ts{&pos, &ctx_tokens, &counter, &sampled})
+  check_dims(op, "stops", stops, {1 + nanoqwen::kMaxStops});
+  for (const Tensor* t : Ts{&pos, &ctx_tokens, &counter, &sampled, &stops})
     same_device(op, token_in, *t, "an input");
   const c10::cuda::CUDAGuard g(token_in.device());
-  // Pinned host memory is mapped into the device's address space (unified addressing); ask
-  // for the device alias explicitly in case the allocator registered it differently.
-  void* ring = host_ring.data_ptr();
-  void* dev_ring = nullptr;
-  if (cudaHostGetDevicePointer(&dev_ring, ring, 0) != cudaSuccess) {
-    (void)cudaGetLastError();  // not fatal: with UVA the host pointer is the device pointer
-    dev_ring = ring;
-  }
   check_launch(op, nanoqwen::advance_step(token_in.data_ptr<int32_t>(), pos.data_ptr<int32_t>(),
                                           ctx_tokens.data_ptr<int32_t>(),
                                           (int)ctx_tokens.size(0), counter.data_ptr<int64_t>(),
-                                          static_cast<int32_t*>(dev_ring),
+                                          static_cast<int32_t*>(mapped(host_ring)),
                                           (int)host_ring.size(0), sampled.data_ptr<int32_t>(),
+                                          stops.data_ptr<int32_t>(),
+                                          static_cast<int32_t*>(mapped(halt)),
                                           stream_of(token_in)));
 }
 
@@ -524,9 +542,391 @@ void dequant_int4(Tensor& w, const Tensor& qweight, const Tensor& scales) {
                                   stream_of(w)), true);
 }
 
+
+// ---- the engine core (csrc/engine.h): decode step, gated graph, launcher thread, prefill ------
+//
+// torch.classes.nanoqwen.Engine owns a StepArgs built from the backend's tensors (checked here
+// once, kept alive here) and a DecodeLoop. Every method that waits or enqueues many launches
+// releases the GIL itself (whether or not the caller's binding already did), so a busy Python
+// thread (the UI) never delays the GPU and the engine never waits for the UI.
+
+// Releases the GIL for its scope if this thread holds it.
+struct NoGil {
+  PyThreadState* st = nullptr;
+  NoGil() {
+    if (Py_IsInitialized() && PyGILState_Check()) st = PyEval_SaveThread();
+  }
+  ~NoGil() {
+    if (st) PyEval_RestoreThread(st);
+  }
+};
+
+void check_engine(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return;
+  fail("nanoqwen engine: ", what, ": ", nanoqwen::engine_last_error());
+}
+
+class Engine : public torch::CustomClassHolder {
+ public:
+  // globals: embed [V,H] fp16, final_norm [H] fp16, lm_head [V,H] fp16, hidden [1,H] fp32,
+  //   xn [1,H] fp16, qkv [1,q+2kv] fp16, attn [nh,hd] fp16, act [I] fp16, logits [V] fp32,
+  //   work [V] fp32, ws_acc [nh,S,hd] fp32, ws_ml [nh,S,2] fp32, attn_counters [nkv] int32,
+  //   cos/sin [P*16, hd/2] fp32, page_table [P] int32, token_in/pos/sampled [1] int32,
+  //   counter [1] int64, ctx_tokens [C] int32, params_f [4] fp32, params_i [4] int64,
+  //   stops [1+8] int32                                                        (24 tensors)
+  // layers: 15 a layer: ln1, ln2, qkv_qw, qkv_sc, qkv_b, o_qw, o_sc, gate_qw, gate_sc, up_qw,
+  //   up_sc, down_qw, down_sc, k_cache, v_cache
+  // dense: 4 a layer (resident fp16 W_qkv, W_o, W_gate_up, W_down), or 4 scratch matrices
+  //   (per-layer dequant before each layer's prefill GEMMs)
+  // ints: H, I, n_heads, n_kv, head_dim, vocab, fuse_norm, min_pps, num_splits, resident,
+  //   prefill_chunk
+  Engine(std::vector<Tensor> globals, std::vector<Tensor> layers, std::vector<Tensor> dense,
+         std::vector<int64_t> ints, double eps, int64_t stream_ptr)
+      : g_(std::move(globals)), l_(std::move(layers)), d_(std::move(dense)) {
+    const char* op = "Engine";
+    NQ_CHECK(ints.size() == 11, op, ": ints has ", (int64_t)ints.size(), " values, expected 11");
+    NQ_CHECK(g_.size() == 24, op, ": globals has ", (int64_t)g_.size(), " tensors, expected 24");
+    NQ_CHECK(!l_.empty() && l_.size() % 15 == 0, op, ": layers has ", (int64_t)l_.size(),
+             " tensors, expected 15 a layer");
+    const int64_t nl = (int64_t)l_.size() / 15;
+    resident_ = ints[9] != 0;
+    NQ_CHECK(d_.size() == (size_t)(resident_ ? 4 * nl : 4), op, ": dense has ",
+             (int64_t)d_.size(), " matrices, expected ", resident_ ? 4 * nl : 4);
+    chunk_ = ints[10];
+    NQ_CHECK(chunk_ >= 1, op, ": prefill_chunk=", chunk_, " must be >= 1");
+    nanoqwen::StepArgs& a = a_;
+    a.H = (int)ints[0]; a.I = (int)ints[1]; a.n_heads = (int)ints[2]; a.n_kv = (int)ints[3];
+    a.head_dim = (int)ints[4]; a.vocab = (int)ints[5]; a.fuse_norm = ints[6] != 0;
+    a.min_pps = (int)ints[7]; a.num_splits = (int)ints[8]; a.eps = (float)eps;
+    const int64_t H = a.H, I = a.I, nh = a.n_heads, nkv = a.n_kv, hd = a.head_dim, V = a.vocab;
+    const int64_t qn = (nh + 2 * nkv) * hd, S = a.num_splits;
+    NQ_CHECK(H % 128 == 0 && I % 128 == 0 && (nh * hd) % 128 == 0, op, ": H=", H, ", I=", I,
+             " and q_size=", nh * hd, " must be multiples of 128 (INT4 group size)");
+    NQ_CHECK(nh % nkv == 0 && nh / nkv <= nanoqwen::kMaxGqa, op, ": n_heads=", nh, " / n_kv=", nkv,
+             " must be a whole GQA ratio of at most ", nanoqwen::kMaxGqa);
+    NQ_CHECK(a.min_pps >= 0 && a.min_pps <= nanoqwen::kDecMinPpsMax, op, ": min_pps=", a.min_pps);
+    struct Want { const char* name; at::ScalarType dt; std::vector<int64_t> dims; };
+    const std::vector<Want> want = {
+        {"embed", at::kHalf, {V, H}}, {"final_norm", at::kHalf, {H}}, {"lm_head", at::kHalf, {V, H}},
+        {"hidden", at::kFloat, {1, H}}, {"xn", at::kHalf, {1, H}}, {"qkv", at::kHalf, {1, qn}},
+        {"attn", at::kHalf, {nh, hd}}, {"act", at::kHalf, {I}}, {"logits", at::kFloat, {V}},
+        {"work", at::kFloat, {V}}, {"ws_acc", at::kFloat, {nh, S, hd}},
+        {"ws_ml", at::kFloat, {nh, S, 2}}, {"attn_counters", at::kInt, {nkv}},
+        {"cos", at::kFloat, {-1, hd / 2}}, {"sin", at::kFloat, {-1, hd / 2}},
+        {"page_table", at::kInt, {-1}}, {"token_in", at::kInt, {1}}, {"pos", at::kInt, {1}},
+        {"sampled", at::kInt, {1}}, {"counter", at::kLong, {1}}, {"ctx_tokens", at::kInt, {-1}},
+        {"params_f", at::kFloat, {4}}, {"params_i", at::kLong, {4}},
+        {"stops", at::kInt, {1 + nanoqwen::kMaxStops}}};
+    NQ_CHECK(want.size() == g_.size(), op, ": internal: the tensor table has ", (int64_t)want.size(), " rows");
+    for (size_t i = 0; i < want.size(); ++i) {
+      check_arg(op, want[i].name, g_[i], want[i].dt);
+      check_dims(op, want[i].name, g_[i], want[i].dims);
+      same_device(op, g_[0], g_[i], want[i].name);
+    }
+    device_ = g_[0].device();
+    const Tensor& page_table = g_[15];
+    a.table_len = (int)page_table.size(0);
+    NQ_CHECK(a.table_len >= 1 && g_[13].size(0) >= a.table_len * nanoqwen::kPageSize &&
+                 g_[14].size(0) == g_[13].size(0),
+             op, ": the RoPE tables have ", g_[13].size(0), " rows, the page table covers ",
+             (int64_t)a.table_len * nanoqwen::kPageSize, " positions");
+    a.ctx_capacity = (int)g_[20].size(0);
+    a.embed = chp(g_[0]); a.final_norm = chp(g_[1]); a.lm_head = chp(g_[2]);
+    a.hidden = g_[3].data_ptr<float>(); a.xn = hp(g_[4]); a.qkv = hp(g_[5]); a.attn = hp(g_[6]);
+    a.act = hp(g_[7]); a.logits = g_[8].data_ptr<float>(); a.work = g_[9].data_ptr<float>();
+    a.ws_acc = g_[10].data_ptr<float>(); a.ws_ml = g_[11].data_ptr<float>();
+    a.attn_counters = g_[12].data_ptr<int32_t>(); a.cos = g_[13].data_ptr<float>();
+    a.sin = g_[14].data_ptr<float>(); a.page_table = page_table.data_ptr<int32_t>();
+    a.token_in = g_[16].data_ptr<int32_t>(); a.pos = g_[17].data_ptr<int32_t>();
+    a.sampled = g_[18].data_ptr<int32_t>(); a.counter = g_[19].data_ptr<int64_t>();
+    a.ctx_tokens = g_[20].data_ptr<int32_t>(); a.params_f = g_[21].data_ptr<float>();
+    a.params_i = g_[22].data_ptr<int64_t>(); a.stops = g_[23].data_ptr<int32_t>();
+    for (int64_t li = 0; li < nl; ++li) {
+      const Tensor* t = &l_[15 * li];
+      const std::string pfx = "layer " + std::to_string(li) + " ";
+      int64_t n, k;
+      check_arg(op, (pfx + "ln1").c_str(), t[0], at::kHalf);
+      check_dims(op, (pfx + "ln1").c_str(), t[0], {H});
+      check_arg(op, (pfx + "ln2").c_str(), t[1], at::kHalf);
+      check_dims(op, (pfx + "ln2").c_str(), t[1], {H});
+      check_qweight(op, t[2], t[3], &n, &k, "qkv_qw", "qkv_sc");
+      NQ_CHECK(n == qn && k == H, op, ": ", pfx, "qkv is [", n, ", ", k, "], expected [", qn, ", ", H, "]");
+      check_arg(op, (pfx + "qkv_b").c_str(), t[4], at::kHalf);
+      check_dims(op, (pfx + "qkv_b").c_str(), t[4], {qn});
+      check_qweight(op, t[5], t[6], &n, &k, "o_qw", "o_sc");
+      NQ_CHECK(n == H && k == nh * hd, op, ": ", pfx, "o is [", n, ", ", k, "]");
+      check_qweight(op, t[7], t[8], &n, &k, "gate_qw", "gate_sc");
+      NQ_CHECK(n == I && k == H, op, ": ", pfx, "gate is [", n, ", ", k, "]");
+      check_qweight(op, t[9], t[10], &n, &k, "up_qw", "up_sc");
+      NQ_CHECK(n == I && k == H, op, ": ", pfx, "up is [", n, ", ", k, "]");
+      check_qweight(op, t[11], t[12], &n, &k, "down_qw", "down_sc");
+      NQ_CHECK(n == H && k == I, op, ": ", pfx, "down is [", n, ", ", k, "]");
+      check_cache(op, t[13], t[14]);
+      NQ_CHECK(t[13].size(0) == a.table_len && t[13].size(2) == nkv && t[13].size(3) == hd, op,
+               ": ", pfx, "k_cache is ", shape_str(t[13]), ", expected [", (int64_t)a.table_len,
+               ", 16, ", nkv, ", ", hd, "]");
+      for (int j = 0; j < 15; ++j) same_device(op, g_[0], t[j], "a layer tensor");
+      nanoqwen::LayerPtrs L;
+      L.ln1 = chp(t[0]); L.ln2 = chp(t[1]); L.qkv_qw = qw(t[2]); L.qkv_sc = chp(t[3]);
+      L.qkv_b = chp(t[4]); L.o_qw = qw(t[5]); L.o_sc = chp(t[6]); L.gate_qw = qw(t[7]);
+      L.gate_sc = chp(t[8]); L.up_qw = qw(t[9]); L.up_sc = chp(t[10]); L.down_qw = qw(t[11]);
+      L.down_sc = chp(t[12]); L.k_cache = hp(t[13]); L.v_cache = hp(t[14]);
+      a.layers.push_back(L);
+    }
+    const int64_t dshape[4][2] = {{qn, H}, {H, nh * hd}, {2 * I, H}, {H, I}};
+    for (size_t j = 0; j < d_.size(); ++j) {
+      check_arg(op, "a dense matrix", d_[j], at::kHalf);
+      check_dims(op, "a dense matrix", d_[j], {dshape[j % 4][0], dshape[j % 4][1]});
+      same_device(op, g_[0], d_[j], "a dense matrix");
+    }
+    stream_ = reinterpret_cast<cudaStream_t>(stream_ptr);
+    const c10::cuda::CUDAGuard dg(device_);
+    loop_ = std::make_unique<nanoqwen::DecodeLoop>(&a_, stream_, (int)device_.index());
+    NQ_CHECK(loop_->ring() != nullptr, op, ": ", nanoqwen::engine_last_error());
+  }
+
+  // Capture the decode step; true when the graph is halt-gated (engine.h).
+  bool capture() {
+    NoGil nogil;
+    const c10::cuda::CUDAGuard dg(device_);
+    check_engine(loop_->capture(), "capturing the decode step");
+    return loop_->gated();
+  }
+  std::string capture_note() { return loop_->capture_note(); }
+
+  // One decode step (graph replay or eager launches) on the engine's stream.
+  void run_step(bool graph) {
+    NoGil nogil;
+    const c10::cuda::CUDAGuard dg(device_);
+    check_engine(loop_->run_step(graph), graph ? "decode step (graph)" : "decode step (eager)");
+  }
+
+  // Wait for the stream, stop any launcher thread, clear the ring and the halt flag, set the
+  // turn's stop ids (host and device) and stamp the turn's start on the GPU.
+  void begin_turn(std::vector<int64_t> stop_ids) {
+    NQ_CHECK(stop_ids.size() <= (size_t)nanoqwen::kMaxStops, "begin_turn: ",
+             (int64_t)stop_ids.size(), " stop ids, at most ", nanoqwen::kMaxStops);
+    NoGil nogil;
+    const c10::cuda::CUDAGuard dg(device_);
+    loop_->stop();
+    const cudaError_t se = cudaStreamSynchronize(stream_);
+    if (se != cudaSuccess) fail("nanoqwen engine: waiting for the previous turn: ", cudaGetErrorString(se));
+    loop_->reset_turn();
+    stops_host_[0] = (int32_t)stop_ids.size();
+    loop_->host_stops.clear();
+    for (size_t i = 0; i < stop_ids.size(); ++i) {
+      stops_host_[1 + i] = (int32_t)stop_ids[i];
+      loop_->host_stops.push_back((int32_t)stop_ids[i]);
+    }
+    // pageable source, stream idle: the copy is complete when this returns
+    cudaError_t e = cudaMemcpyAsync(const_cast<int32_t*>(a_.stops), stops_host_,
+                                    sizeof(stops_host_), cudaMemcpyHostToDevice, stream_);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+    if (e == cudaSuccess) e = nanoqwen::stamp_time(loop_->start_stamp(), stream_);
+    if (e != cudaSuccess) fail("nanoqwen engine: begin_turn: ", cudaGetErrorString(e));
+  }
+
+  // K/V of ids (CPU int32 [T]) at positions pos0.. and the logits of the last one; with
+  // `sample`, also sample + advance (ring slot = counter). T == 1 is a decode step (graph or
+  // eager as `graph` says). The page table must already cover pos0 + T positions.
+  void prefill(const Tensor& ids, int64_t pos0, bool sample, bool graph) {
+    const char* op = "prefill";
+    NQ_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kInt && ids.dim() == 1 &&
+                 ids.size(0) >= 1 && ids.is_contiguous(),
+             op, ": ids must be a contiguous CPU int32 [T >= 1], got ", at::toString(ids.scalar_type()),
+             " ", shape_str(ids), " on ", ids.device());
+    const int64_t T = ids.size(0);
+    NQ_CHECK(pos0 >= 0 && pos0 + T <= (int64_t)a_.table_len * nanoqwen::kPageSize &&
+                 pos0 + T < a_.ctx_capacity,
+             op, ": positions ", pos0, "..", pos0 + T - 1, " do not fit the cache of ",
+             (int64_t)a_.table_len * nanoqwen::kPageSize, " positions");
+    const int32_t* idp = ids.data_ptr<int32_t>();
+    for (int64_t i = 0; i < T; ++i)
+      NQ_CHECK(idp[i] >= 0 && idp[i] < a_.vocab, op, ": token id ", (int64_t)idp[i], " at ", i,
+               " is outside the vocabulary 0..", (int64_t)a_.vocab - 1);
+    NoGil nogil;
+    c10::InferenceMode im;
+    const c10::cuda::CUDAGuard dg(device_);
+    const c10::cuda::CUDAStreamGuard sg(c10::cuda::getStreamFromExternal(stream_, device_.index()));
+    const nanoqwen::StepArgs& a = a_;
+    Tensor ctx = g_[20].narrow(0, pos0, T);
+    check_engine(cudaMemcpyAsync(ctx.data_ptr(), idp, T * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                 stream_), "copying the prompt ids");
+    if (T == 1) {
+      check_engine(cudaMemcpyAsync(a.token_in, ctx.data_ptr(), sizeof(int32_t),
+                                   cudaMemcpyDeviceToDevice, stream_), "token_in");
+      g_[17].fill_((int)pos0);
+      check_engine(loop_->run_step(graph), "prefill of one token (a decode step)");
+      return;
+    }
+    const int64_t H = a.H, I = a.I, nh = a.n_heads, nkv = a.n_kv, hd = a.head_dim;
+    const auto fopt = g_[3].options(), hopt = g_[4].options(), iopt = g_[17].options();
+    Tensor hidden = at::empty({T, H}, fopt);
+    check_launch("prefill embed_gather", nanoqwen::embed_gather(hidden.data_ptr<float>(), a.embed,
+                                                                static_cast<const int32_t*>(ctx.data_ptr()),
+                                                                (int)T, (int)H, a.vocab, stream_));
+    std::vector<std::pair<int64_t, int64_t>> chunks;
+    std::vector<Tensor> pos_t;
+    for (int64_t s = 0; s < T; s += chunk_) {
+      chunks.push_back({s, std::min(T, s + chunk_)});
+      pos_t.push_back(at::full({1}, pos0 + s, iopt));
+    }
+    for (size_t li = 0; li < a.layers.size(); ++li) {
+      const nanoqwen::LayerPtrs& L = a.layers[li];
+      const Tensor* lt = &l_[15 * li];
+      const Tensor* W = resident_ ? &d_[4 * li] : &d_[0];
+      if (!resident_) dequant_layer(li);
+      for (size_t c = 0; c < chunks.size(); ++c) {
+        const int64_t s = chunks[c].first, e = chunks[c].second, tc = e - s;
+        Tensor h = hidden.narrow(0, s, tc);                                       // [Tc, H]
+        Tensor xn = at::empty({tc, H}, hopt);
+        check_launch("prefill rmsnorm", nanoqwen::rmsnorm(hp(xn), h.data_ptr<float>(), L.ln1, (int)tc,
+                                                          (int)H, a.eps, stream_));
+        Tensor qkv = at::linear(xn, W[0], lt[4]);                                  // [Tc, q+2kv]
+        Tensor q = at::empty({tc, nh, hd}, hopt);
+        check_launch("prefill rope_kv_write",
+                     nanoqwen::rope_kv_write(hp(q), L.k_cache, L.v_cache, chp(qkv), a.cos, a.sin,
+                                             pos_t[c].data_ptr<int32_t>(), a.page_table,
+                                             a.table_len, (int)tc, (int)nh, (int)nkv, (int)hd,
+                                             stream_));
+        Tensor att = attention(q, lt[13], lt[14], pos0 + s, pos0 + e);            // [Tc, nh*hd]
+        h.add_(at::linear(att, W[1]));
+        check_launch("prefill rmsnorm", nanoqwen::rmsnorm(hp(xn), h.data_ptr<float>(), L.ln2, (int)tc,
+                                                          (int)H, a.eps, stream_));
+        Tensor gu = at::linear(xn, W[2]).to(at::kFloat);                          // [Tc, 2I]
+        // fp32 math, one rounding, as the decode GEMV
+        Tensor act = (at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I)).to(at::kHalf);
+        h.add_(at::linear(act, W[3]));
+      }
+    }
+    // the last row into the decode step's residual buffer: the same logits tail as a step
+    g_[3].copy_(hidden.narrow(0, T - 1, 1));
+    check_engine(nanoqwen::launch_logits(a, stream_), "prefill logits");
+    if (sample) {
+      g_[17].fill_((int)(pos0 + T - 1));
+      check_engine(nanoqwen::launch_sample_advance(a, stream_), "prefill sample");
+    }
+  }
+
+  // Start the launcher thread for steps 1..n_steps (engine.h).
+  void start(int64_t n_steps, bool graph, int64_t run_ahead) {
+    NQ_CHECK(n_steps >= 0 && run_ahead >= 1, "start: n_steps=", n_steps, ", run_ahead=", run_ahead);
+    loop_->set_graph(graph);
+    if (n_steps > 0) loop_->start(n_steps, (int)run_ahead);
+  }
+  void set_graph(bool graph) { loop_->set_graph(graph); }
+  void cancel() { loop_->cancel(); }
+  void consumed(int64_t n) { loop_->consumed(n); }
+
+  // Tokens first.. as they land (DecodeLoop::collect): (ids, GPU end times in ns, status).
+  std::tuple<std::vector<int64_t>, std::vector<int64_t>, int64_t> collect(
+      int64_t first, int64_t max_n, double min_wait_ms, double timeout_ms) {
+    NQ_CHECK(first >= 0 && max_n >= 1, "collect: first=", first, ", max_n=", max_n);
+    std::vector<nanoqwen::RingToken> got;
+    int status;
+    {
+      NoGil nogil;
+      const c10::cuda::CUDAGuard dg(device_);
+      status = loop_->collect(first, max_n, (int64_t)(min_wait_ms * 1e3),
+                              (int64_t)(timeout_ms * 1e3), &got);
+    }
+    std::vector<int64_t> ids, ts;
+    ids.reserve(got.size());
+    ts.reserve(got.size());
+    for (const auto& t : got) {
+      ids.push_back(t.token);
+      ts.push_back((int64_t)t.t_ns);
+    }
+    return {ids, ts, (int64_t)status};
+  }
+
+  // Stop the launcher thread and wait for every queued step (the turn is over).
+  void finish() {
+    NoGil nogil;
+    const c10::cuda::CUDAGuard dg(device_);
+    loop_->cancel();
+    loop_->stop();
+    const cudaError_t e = cudaStreamSynchronize(stream_);
+    if (e != cudaSuccess) fail("nanoqwen engine: the decode stream failed: ", cudaGetErrorString(e));
+  }
+
+  std::string error() { return loop_->error(); }
+  int64_t start_ns() { return (int64_t)*reinterpret_cast<volatile uint64_t*>(loop_->start_stamp()); }
+  int64_t launched() { return loop_->launched(); }
+  bool halted() { return loop_->halted(); }
+  bool gated() { return loop_->gated(); }
+
+ private:
+  void dequant_layer(size_t li) {
+    const Tensor* lt = &l_[15 * li];
+    const int64_t I = a_.I;
+    auto dq = [&](const Tensor& w, const Tensor& qweight, const Tensor& scales) {
+      check_launch("prefill dequant_int4",
+                   ::dequant_int4(hp(w), qw(qweight), chp(scales), (int)w.size(0), (int)w.size(1),
+                                  stream_), true);
+    };
+    dq(d_[0], lt[2], lt[3]);
+    dq(d_[1], lt[5], lt[6]);
+    dq(d_[2].narrow(0, 0, I), lt[7], lt[8]);
+    dq(d_[2].narrow(0, I, I), lt[9], lt[10]);
+    dq(d_[3], lt[11], lt[12]);
+  }
+
+  // Causal GQA attention of queries at positions q0..q1-1 over cached positions 0..q1-1.
+  Tensor attention(const Tensor& q, const Tensor& k_l, const Tensor& v_l, int64_t q0, int64_t q1) {
+    const int64_t s = q1, used = (s + nanoqwen::kPageSize - 1) / nanoqwen::kPageSize;
+    const int64_t nkv = a_.n_kv, hd = a_.head_dim;
+    Tensor table = g_[15].narrow(0, 0, used).to(at::kLong);
+    Tensor k = k_l.index_select(0, table).reshape({used * nanoqwen::kPageSize, nkv, hd})
+                   .narrow(0, 0, s).permute({1, 0, 2}).unsqueeze(0);
+    Tensor v = v_l.index_select(0, table).reshape({used * nanoqwen::kPageSize, nkv, hd})
+                   .narrow(0, 0, s).permute({1, 0, 2}).unsqueeze(0);
+    Tensor qq = q.permute({1, 0, 2}).unsqueeze(0);                                  // [1, nh, Tc, D]
+    Tensor out;
+    if (q0 == 0) {
+      out = at::scaled_dot_product_attention(qq, k, v, {}, 0.0, true, c10::nullopt, true);
+    } else {  // a cached prefix: query i sees keys 0..q0+i (bottom-right aligned causal mask)
+      auto opt = q.options().dtype(at::kLong);
+      Tensor qpos = at::arange(q0, q1, opt).unsqueeze(1);
+      Tensor mask = at::arange(s, opt).unsqueeze(0) <= qpos;
+      out = at::scaled_dot_product_attention(qq, k, v, mask, 0.0, false, c10::nullopt, true);
+    }
+    return out[0].permute({1, 0, 2}).reshape({q1 - q0, a_.n_heads * hd});
+  }
+
+  std::vector<Tensor> g_, l_, d_;
+  bool resident_ = false;
+  int64_t chunk_ = 2048;
+  c10::Device device_{c10::kCUDA, 0};
+  cudaStream_t stream_ = nullptr;
+  nanoqwen::StepArgs a_;
+  std::unique_ptr<nanoqwen::DecodeLoop> loop_;
+  int32_t stops_host_[1 + nanoqwen::kMaxStops] = {};
+};
+
 }  // namespace nanoqwen_ops
 
 TORCH_LIBRARY(nanoqwen, m) {
+  // the engine core: decode step, halt-gated graph, launcher thread, prefill (csrc/engine.h)
+  m.class_<nanoqwen_ops::Engine>("Engine")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<int64_t>, double, int64_t>())
+      .def("capture", &nanoqwen_ops::Engine::capture)
+      .def("capture_note", &nanoqwen_ops::Engine::capture_note)
+      .def("run_step", &nanoqwen_ops::Engine::run_step)
+      .def("begin_turn", &nanoqwen_ops::Engine::begin_turn)
+      .def("prefill", &nanoqwen_ops::Engine::prefill)
+      .def("start", &nanoqwen_ops::Engine::start)
+      .def("set_graph", &nanoqwen_ops::Engine::set_graph)
+      .def("cancel", &nanoqwen_ops::Engine::cancel)
+      .def("consumed", &nanoqwen_ops::Engine::consumed)
+      .def("collect", &nanoqwen_ops::Engine::collect)
+      .def("finish", &nanoqwen_ops::Engine::finish)
+      .def("error", &nanoqwen_ops::Engine::error)
+      .def("start_ns", &nanoqwen_ops::Engine::start_ns)
+      .def("launched", &nanoqwen_ops::Engine::launched)
+      .def("halted", &nanoqwen_ops::Engine::halted)
+      .def("gated", &nanoqwen_ops::Engine::gated);
   // token ids -> fp32 residual rows (decode: T=1 reading the id the last step sampled)
   m.def("embed_gather(Tensor! hidden, Tensor table, Tensor ids) -> ()");
   // fp32 residual rows -> fp16 normed rows (input/post-attention/final norm)
@@ -542,7 +942,7 @@ TORCH_LIBRARY(nanoqwen, m) {
         "Tensor pos, Tensor params_f, Tensor params_i, Tensor counter) -> ()");
   // end of step: sampled id -> next input, pos += 1, context ids, pinned host ring, counter += 1
   m.def("advance_step(Tensor! token_in, Tensor! pos, Tensor! ctx_tokens, Tensor! counter, "
-        "Tensor! host_ring, Tensor sampled) -> ()");
+        "Tensor! host_ring, Tensor sampled, Tensor stops, Tensor! halt) -> ()");
   // INT4 g128 GEMV y = W x + bias (the fused q/k/v projection)
   m.def("gemv_int4(Tensor! y, Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> ()");
   // INT4 GEMV accumulated into the fp32 residual (o_proj, down_proj)

@@ -92,9 +92,15 @@ cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, i
 
 // The end of a decode step, so the next one needs no host round trip:
 //   token_in[0] = sampled; pos += 1; ctx_tokens[pos] = sampled (if pos < ctx_capacity);
-//   host_ring[counter % ring_size] = sampled (pinned, mapped host memory); counter += 1.
+//   slot = host_ring[counter % ring_size] (pinned, mapped host memory, int32 [ring_size, 4]):
+//     slot[0] = sampled, slot[2..3] = the GPU's globaltimer (ns, lo/hi), a system fence, then
+//     slot[1] = counter + 1 (the host reads seq == i + 1 before it reads the id);
+//   if sampled is one of stops[1..stops[0]] (device int32, stops[0] <= 8), *halt = 1 (pinned
+//   host memory: the gated decode graph and the host both read it); counter += 1.
+// stops and halt may both be null (no stop detection).
 cudaError_t advance_step(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens,
                          int ctx_capacity, int64_t* counter, int32_t* host_ring, int ring_size,
-                         const int32_t* sampled, cudaStream_t stream);
+                         const int32_t* sampled, const int32_t* stops, int32_t* halt,
+                         cudaStream_t stream);
 
 }  // namespace nanoqwen

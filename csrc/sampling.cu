@@ -779,7 +779,8 @@ cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, i
 
 __global__ void advance_kernel(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens,
                                int ctx_capacity, int64_t* counter, int32_t* host_ring,
-                               int ring_size, const int32_t* sampled) {
+                               int ring_size, const int32_t* sampled, const int32_t* stops,
+                               int32_t* halt) {
   griddep_wait();  // sampled comes from sample_token right before
   griddep_launch_dependents();
   const int32_t t = sampled[0];
@@ -788,16 +789,31 @@ __global__ void advance_kernel(int32_t* token_in, int32_t* pos, int32_t* ctx_tok
   pos[0] = p;
   if (p >= 0 && p < ctx_capacity) ctx_tokens[p] = t;
   const int64_t c = counter[0];
-  host_ring[c % ring_size] = t;  // pinned host memory, mapped (UVA): read after the step's event
+  uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  // pinned host memory, mapped (UVA): the id and time first, then the sequence number the
+  // host polls, with a system-scope fence between, so seq == c + 1 implies the id is there
+  volatile int32_t* slot = host_ring + 4 * (c % ring_size);
+  slot[0] = t;
+  slot[2] = (int32_t)(uint32_t)(ns & 0xffffffffu);
+  slot[3] = (int32_t)(uint32_t)(ns >> 32);
+  __threadfence_system();
+  slot[1] = (int32_t)(uint32_t)(c + 1);
+  if (stops != nullptr && halt != nullptr) {
+    const int n = min(stops[0], 8);
+    for (int i = 0; i < n; ++i)
+      if (stops[1 + i] == t) *reinterpret_cast<volatile int32_t*>(halt) = 1;
+  }
   counter[0] = c + 1;
 }
 
 cudaError_t advance_step(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens,
                          int ctx_capacity, int64_t* counter, int32_t* host_ring, int ring_size,
-                         const int32_t* sampled, cudaStream_t stream) {
+                         const int32_t* sampled, const int32_t* stops, int32_t* halt,
+                         cudaStream_t stream) {
   if (ring_size <= 0) return cudaErrorInvalidValue;
   return launch_pdl(advance_kernel, dim3(1), dim3(1), 0, stream, token_in, pos, ctx_tokens,
-                    ctx_capacity, counter, host_ring, ring_size, sampled);
+                    ctx_capacity, counter, host_ring, ring_size, sampled, stops, halt);
 }
 
 }  // namespace nanoqwen

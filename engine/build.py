@@ -29,6 +29,7 @@ EXT_NAME = "nanoqwen_ext"
 # with torch headers (about a minute on its own, so it is a separate translation unit).
 SOURCES = (
     "bindings.cpp",
+    "engine.cu",
     "embed_norm.cu",
     "rope_kv.cu",
     "attention.cu",
@@ -36,7 +37,7 @@ SOURCES = (
     "gemv_int4.cu",
     "gemv_fp16.cu",
 )
-HEADERS = ("kernels.h", "common.cuh", "gemv.h")
+HEADERS = ("kernels.h", "common.cuh", "gemv.h", "engine.h")
 
 CUDA_FLAGS = [
     "-O3",

@@ -1,21 +1,22 @@
-"""The CUDA backend: our kernels (csrc/) for decode, cuBLAS through torch for prefill.
+"""The CUDA backend: the C++ engine core (csrc/engine.h, torch.classes.nanoqwen.Engine) over our
+kernels, with cuBLAS/SDPA through ATen for the prefill GEMMs and attention.
 
-Decode step (batch 1), every launch on preallocated device buffers, so the same launches
-run eagerly or as ONE captured CUDA graph (mode "graph" | "eager", switchable per token):
-    embed_gather(token_in) -> hidden fp32
-    per layer: rmsnorm -> gemv_int4 (fused q|k|v + bias) -> rope_kv_write (pages) ->
-               paged_attention -> gemv_int4_residual (o_proj) -> rmsnorm ->
-               gemv_int4_silu_mul (gate/up) -> gemv_int4_residual (down)
-    rmsnorm -> gemv_fp16 (lm_head) -> sample_token -> advance_step
-The step reads the position from device memory and `advance_step` writes the sampled id
-into the next step's input, so the host never sits between steps: it replays the graph a
-few steps ahead (LOOKAHEAD) and reads ids from a pinned ring buffer that advance_step
-writes directly, after each step's CUDA event. Tokens computed past a stop id are discarded
-by truncation, so `kv_tokens` is always exact (base.py's invariant).
-
-Prefill (prompt chunks): layer by layer, each layer's INT4 weights dequantized to fp16 once
-(or kept resident when memory allows), cuBLAS GEMMs through torch, our rope_kv_write into
-the same pages the decode kernels read, and torch SDPA over the paged cache for attention.
+Python here loads weights, allocates every buffer once and keeps the cache bookkeeping
+(kv_tokens, pages); it never sits on the hot path:
+  * the decode step (embed_gather; per layer rmsnorm -> gemv_int4 q|k|v -> attention_decode
+    (RoPE, K/V write, split-K attention) -> gemv_int4_residual o -> rmsnorm ->
+    gemv_int4_silu_mul gate/up -> gemv_int4_residual down; rmsnorm -> gemv_fp16 lm_head ->
+    sample_token -> advance_step) is enqueued by C++ (launch_step); graph mode replays ONE
+    graph captured from that launcher, gated by a halt flag; eager mode calls the launcher;
+  * the whole prefill (layer by layer, INT4 weights dequantized to fp16 once per layer or kept
+    resident) is one C++ call;
+  * a C++ launcher thread keeps up to RUN_AHEAD steps queued; each sampled id lands in a
+    pinned ring slot with a sequence number and the GPU's time; a stop id sets the halt flag
+    on the device, so the steps queued after it do nothing (graph mode);
+  * generate_chunks() wakes once per window (~30 ms), takes every id that landed and yields
+    them as one list. Every call into the core that waits releases the GIL.
+Tokens computed past a stop id are discarded by truncation, so `kv_tokens` is always exact
+(base.py's invariant).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..build import load_extension
 from ..config import KV_PAGE_SIZE, ModelConfig
@@ -38,8 +38,12 @@ from .base import Backend, ModelFileTensors, StepEvent
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-LOOKAHEAD = 4          # decode steps the GPU may run ahead of the host
-RING = 64              # pinned ring slots (> LOOKAHEAD + 1)
+# decode steps the launcher thread keeps queued beyond the last id the host took; the ring
+# (csrc/engine.h kRingSize = 256) bounds it. Graph steps after a stop are gated off, so a deep
+# queue costs nothing; eager steps after a stop still run, so eager queues less.
+RUN_AHEAD = {"graph": 64, "eager": 32}
+MAX_STOP_IDS = 8       # csrc/engine.h kMaxStops
+COLLECT_TIMEOUT_MS = 100.0  # longest wait inside the core before Python re-checks cancel
 PREFILL_CHUNK = 2048   # prompt tokens per prefill chunk (bounds activation memory)
 
 
@@ -107,6 +111,16 @@ class SyntheticWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self._names)
+
+
+def _flatten(chunks) -> Iterator[StepEvent]:
+    """The events of `chunks` one by one; closing this closes `chunks` at once (a generator
+    expression would leave its cleanup -- stop the launcher, free pages -- to the collector)."""
+    try:
+        for chunk in chunks:
+            yield from chunk
+    finally:
+        chunks.close()
 
 
 def _gib(n: int) -> str:
@@ -320,7 +334,7 @@ class CudaBackend(Backend):
                                   dtype=torch.float32, device=dev)
         self.ws_ml = torch.zeros(c.num_attention_heads, self.num_splits, 2,
                                  dtype=torch.float32, device=dev)
-        # NANOQWEN_FUSE_NORM=1: norms inside the GEMV prologues (an A/B switch, see _launch_step)
+        # NANOQWEN_FUSE_NORM=1: norms inside the GEMV prologues (an A/B switch; csrc/engine.cu)
         self._fuse_norm = self.switches.fuse_norm
         self._xn = torch.zeros(1, c.hidden_size, dtype=torch.float16, device=dev)
         # attention_decode's per-kv-head "last split merges" counters; it leaves them zero
@@ -331,74 +345,70 @@ class CudaBackend(Backend):
         # greedy until a generate() sets its own parameters
         self.params_f = torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float32, device=dev)
         self.params_i = torch.tensor([0, 0, 0, 0], dtype=torch.int64, device=dev)
-        self.host_ring = torch.zeros(RING, dtype=torch.int32).pin_memory()
+        self.stops = i32(1 + MAX_STOP_IDS)   # the turn's stop ids: count, then ids
         if self.prefill_weights == "dequant":
             self._scratch = self._dequant_layer(self.layers[0], None)
 
-    # --- the decode step ----------------------------------------------------------------------
-    def _launch_step(self) -> None:
-        """Every launch of one decode step, on the current stream (eager or under capture).
-
-        Seven launches a layer: rmsnorm -> qkv GEMV -> attention_decode (RoPE, K/V write,
-        split-K attention and the split merge in one) -> o GEMV into the residual -> rmsnorm ->
-        gate/up GEMV with SiLU*mul -> down GEMV into the residual. Every kernel is launched
-        with PDL (csrc/common.cuh), so each GEMV's weight fetch starts under the previous
-        kernel's tail. NANOQWEN_FUSE_NORM=1 folds the norms into the GEMVs' prologues instead
-        (five launches a layer); the H200 measured that 3.7% slower (benchmarks/RESULTS.md),
-        so it is an A/B switch, not the default."""
-        o, c = self._ops, self.config
-        eps, xn = c.rms_norm_eps, self._xn
-        o.embed_gather(self.hidden, self.embed, self.token_in)
+    # --- the engine core -------------------------------------------------------------------------
+    def _make_core(self) -> None:
+        """torch.classes.nanoqwen.Engine over every buffer and weight (csrc/bindings.cpp checks
+        each one's dtype, shape and device and says which is wrong)."""
+        c = self.config
+        globals_ = [self.embed, self.norm, self.lm_head, self.hidden, self._xn, self.qkv,
+                    self.attn, self.act, self.logits, self.work, self.ws_acc, self.ws_ml,
+                    self.attn_counters, self.cos, self.sin, self.page_table, self.token_in,
+                    self.pos, self.sampled, self.counter, self.ctx_tokens, self.params_f,
+                    self.params_i, self.stops]
+        layers = []
         for li, L in enumerate(self.layers):
-            if self._fuse_norm:
-                o.gemv_int4_norm(self.qkv, self.hidden, L.ln1, eps, L.qkv_qw, L.qkv_sc, L.qkv_b)
-            else:
-                o.rmsnorm(xn, self.hidden, L.ln1, eps)
-                o.gemv_int4(self.qkv, xn, L.qkv_qw, L.qkv_sc, L.qkv_b)
-            o.attention_decode(self.attn, self.ws_acc, self.ws_ml, self.attn_counters, self.qkv,
-                               self.k_layers[li], self.v_layers[li], self.cos, self.sin,
-                               self.page_table, self.pos, self.attn_min_pps)
-            o.gemv_int4_residual(self.hidden, self.attn, L.o_qw, L.o_sc)
-            if self._fuse_norm:
-                o.gemv_int4_silu_mul_norm(self.act, self.hidden, L.ln2, eps, L.gate_qw,
-                                          L.gate_sc, L.up_qw, L.up_sc)
-            else:
-                o.rmsnorm(xn, self.hidden, L.ln2, eps)
-                o.gemv_int4_silu_mul(self.act, xn, L.gate_qw, L.gate_sc, L.up_qw, L.up_sc)
-            o.gemv_int4_residual(self.hidden, self.act, L.down_qw, L.down_sc)
-        if self._fuse_norm:
-            o.gemv_fp16_norm(self.logits, self.hidden, self.norm, eps, self.lm_head)
-        else:
-            o.rmsnorm(xn, self.hidden, self.norm, eps)
-            o.gemv_fp16(self.logits, xn, self.lm_head)
-        self._launch_sample()
-
-    def _launch_sample(self) -> None:
-        o = self._ops
-        o.sample_token(self.sampled, self.work, self.logits, self.ctx_tokens, self.pos,
-                       self.params_f, self.params_i, self.counter)
-        o.advance_step(self.token_in, self.pos, self.ctx_tokens, self.counter, self.host_ring,
-                       self.sampled)
+            layers += [L.ln1, L.ln2, L.qkv_qw, L.qkv_sc, L.qkv_b, L.o_qw, L.o_sc, L.gate_qw,
+                       L.gate_sc, L.up_qw, L.up_sc, L.down_qw, L.down_sc, self.k_layers[li],
+                       self.v_layers[li]]
+        resident = self.prefill_weights == "resident"
+        dense = [w for L in self.layers for w in L.dense] if resident else list(self._scratch)
+        ints = [c.hidden_size, c.intermediate_size, c.num_attention_heads,
+                c.num_key_value_heads, c.head_dim, c.vocab_size, int(self._fuse_norm),
+                self.attn_min_pps, self.num_splits, int(resident), PREFILL_CHUNK]
+        self.core = torch.classes.nanoqwen.Engine(globals_, layers, dense, ints,
+                                                  float(c.rms_norm_eps), self.stream.cuda_stream)
 
     def _capture(self) -> None:
-        """Warm up eagerly once (module loading, cuBLAS-free) and capture one step. Runs at
-        load, when the cache is empty, so the warm-up's K/V write at position 0 is harmless."""
+        """Warm up eagerly once (module loading, shared-memory attributes) and capture one step
+        (halt-gated where the driver allows: `self.gated`). Runs at load, when the cache is
+        empty, so the warm-up's K/V write at position 0 is harmless."""
+        self._make_core()
         self.token_in.zero_()
         self.pos.zero_()
-        self._launch_step()
+        self.core.begin_turn([])
+        self.core.run_step(False)
         self.stream.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode="relaxed"):
-            self._launch_step()
+        self.gated = self.core.capture()
+        self.capture_note = self.core.capture_note()
         self.stream.synchronize()
         self.pos.zero_()
         self.counter.zero_()
 
     def _run_step(self) -> None:
-        if self._mode == "graph":
-            self.graph.replay()
-        else:
-            self._launch_step()
+        """One decode step now (graph replay or eager launches), on the stream."""
+        self.core.run_step(self._mode == "graph")
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        Backend.mode.fset(self, value)
+        core = getattr(self, "core", None)
+        if core is not None:  # a running turn's launcher takes it at its next step
+            core.set_graph(value == "graph")
+
+    def request_cancel(self) -> None:
+        """Stop the running turn from any thread: the GPU's next gated step does nothing and the
+        launcher stops; the generator then ends as cancelled (its cancel Event is set too)."""
+        core = getattr(self, "core", None)
+        if core is not None:
+            core.cancel()
 
     # --- cache bookkeeping ----------------------------------------------------------------------
     def _truncate(self, n: int) -> None:
@@ -416,75 +426,20 @@ class CudaBackend(Backend):
     # --- prefill ----------------------------------------------------------------------------------
     def _prefill(self, tokens: list[int], pos0: int, sample: bool) -> None:
         """K/V of tokens at pos0.. into the cache, logits of the last one into self.logits; with
-        `sample`, also sample + advance (ring slot = counter). Launches only (no host sync)."""
-        c, o = self.config, self._ops
-        t = len(tokens)
-        self._reserve(pos0 + t)
-        ids = torch.tensor(tokens, dtype=torch.int32).to(self.device, non_blocking=False)
-        self.ctx_tokens[pos0:pos0 + t].copy_(ids)
-        if t == 1:
-            # one token is a decode step: the same kernels (graph or eager) as generate's loop.
-            # Without `sample` the step still samples and advances; harmless, because every
-            # forward/generate sets token_in, pos and the context ids it needs first.
-            self.token_in.copy_(ids)
-            self.pos.fill_(pos0)
-            self._run_step()
-            return
-        nh, nkv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-        hidden = torch.empty(t, c.hidden_size, dtype=torch.float32, device=self.device)
-        o.embed_gather(hidden, self.embed, ids)
-        chunks = [(s, min(t, s + PREFILL_CHUNK)) for s in range(0, t, PREFILL_CHUNK)]
-        pos_t = [torch.full((1,), pos0 + s, dtype=torch.int32, device=self.device)
-                 for s, _ in chunks]
-        for li, L in enumerate(self.layers):
-            W_qkv, W_o, W_gu, W_d = L.dense if L.dense is not None else \
-                self._dequant_layer(L, self._scratch)
-            k_l, v_l = self.k_layers[li], self.v_layers[li]
-            for (s, e), p_t in zip(chunks, pos_t):
-                h = hidden[s:e]                                               # [Tc, H]
-                tc = e - s
-                xn = torch.empty(tc, c.hidden_size, dtype=torch.float16, device=self.device)
-                o.rmsnorm(xn, h, L.ln1, eps)
-                qkv = F.linear(xn, W_qkv, L.qkv_b)                            # [Tc, q+2kv]
-                q = torch.empty(tc, nh, d, dtype=torch.float16, device=self.device)
-                o.rope_kv_write(q, k_l, v_l, qkv, self.cos, self.sin, p_t, self.page_table)
-                a = self._prefill_attention(q, k_l, v_l, pos0 + s, pos0 + e)  # [Tc, nh*d]
-                h.add_(F.linear(a, W_o))
-                o.rmsnorm(xn, h, L.ln2, eps)
-                gu = F.linear(xn, W_gu)                                       # [Tc, 2I]
-                g, u = gu.float().chunk(2, dim=-1)
-                act = (F.silu(g) * u).to(torch.float16)   # fp32 math, one rounding, as the GEMV
-                h.add_(F.linear(act, W_d))
-        o.rmsnorm(self._xn, hidden[t - 1:], self.norm, eps)
-        o.gemv_fp16(self.logits, self._xn, self.lm_head)
-        if sample:
-            self.pos.fill_(pos0 + t - 1)
-            self._launch_sample()
-
-    def _prefill_attention(self, q: torch.Tensor, k_l: torch.Tensor, v_l: torch.Tensor,
-                           q0: int, q1: int) -> torch.Tensor:
-        """Causal GQA attention of queries at positions q0..q1-1 over cached positions 0..q1-1."""
-        c = self.config
-        s = q1
-        used = -(-s // KV_PAGE_SIZE)
-        table = self.page_table[:used].long()
-        shape = (used * KV_PAGE_SIZE, c.num_key_value_heads, c.head_dim)
-        k = k_l.index_select(0, table).reshape(shape)[:s].permute(1, 0, 2).unsqueeze(0)
-        v = v_l.index_select(0, table).reshape(shape)[:s].permute(1, 0, 2).unsqueeze(0)
-        qq = q.permute(1, 0, 2).unsqueeze(0)                                   # [1, nh, Tc, D]
-        if q0 == 0:
-            out = F.scaled_dot_product_attention(qq, k, v, is_causal=True, enable_gqa=True)
-        else:  # a cached prefix: query i sees keys 0..q0+i (bottom-right aligned causal mask)
-            qpos = torch.arange(q0, q1, device=self.device)[:, None]
-            mask = torch.arange(s, device=self.device)[None, :] <= qpos
-            out = F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, enable_gqa=True)
-        return out[0].permute(1, 0, 2).reshape(q1 - q0, c.q_size)
+        `sample`, also sample + advance (ring slot = counter). One C++ call (GIL released) that
+        only enqueues: layer by layer, cuBLAS GEMMs on the fp16 weights (resident or dequantized
+        per layer), rope_kv_write into the decode pages, SDPA over the paged cache. One token is
+        a decode step (graph or eager, as the mode says)."""
+        self._reserve(pos0 + len(tokens))
+        self.core.prefill(torch.tensor(tokens, dtype=torch.int32), pos0, sample,
+                          self._mode == "graph")
 
     # --- Backend primitives -------------------------------------------------------------------
     def _forward(self, tokens: list[int], pos: int) -> torch.Tensor:
         with self._lock, torch.cuda.device(self.device), torch.cuda.stream(self.stream), \
                 torch.inference_mode():
             self._gen_id += 1  # any suspended generate() no longer owns the cache
+            self.core.begin_turn([])  # waits for (and stops) a suspended turn's queued steps
             self.cache.rollback(pos)
             self._prefill(tokens, pos, sample=False)
             logits = self.logits.cpu()  # syncs the stream
@@ -498,9 +453,22 @@ class CudaBackend(Backend):
     def generate(self, new_tokens: Sequence[int], params, max_new_tokens: int,
                  stop_ids: frozenset[int] = frozenset(),
                  cancel: threading.Event | None = None) -> Iterator[StepEvent]:
-        """See Backend.generate: same contract, GPU sampling, graph/eager decode."""
+        """See Backend.generate: same contract, GPU sampling, graph/eager decode. Per token
+        (chunks of one); the app and the CLI take generate_chunks."""
         new_tokens = self.prepare_generate(new_tokens, params, max_new_tokens)
-        return self._generate_gpu(new_tokens, params, max_new_tokens, frozenset(stop_ids), cancel)
+        chunks = self._chunks_gpu(new_tokens, params, max_new_tokens, frozenset(stop_ids),
+                                  cancel, 0.0, 1)
+        return _flatten(chunks)
+
+    def generate_chunks(self, new_tokens: Sequence[int], params, max_new_tokens: int,
+                        stop_ids: frozenset[int] = frozenset(),
+                        cancel: threading.Event | None = None,
+                        window_s: float = 0.03) -> Iterator[list[StepEvent]]:
+        """See Backend.generate_chunks: the first id alone as soon as it lands, then every id
+        that landed in each window_s, read from the pinned ring in one C++ wait (no GIL)."""
+        new_tokens = self.prepare_generate(new_tokens, params, max_new_tokens)
+        return self._chunks_gpu(new_tokens, params, max_new_tokens, frozenset(stop_ids), cancel,
+                                window_s, None)
 
     def _set_params(self, params) -> int:
         from ..ops import sampler_tensors
@@ -511,68 +479,74 @@ class CudaBackend(Backend):
         self.params_i.copy_(pi)
         return seed
 
-    def _generate_gpu(self, new_tokens: list[int], params, max_new_tokens: int,
-                      stop_ids: frozenset[int], cancel: threading.Event | None
-                      ) -> Iterator[StepEvent]:
+    def _chunks_gpu(self, new_tokens: list[int], params, max_new_tokens: int,
+                    stop_ids: frozenset[int], cancel: threading.Event | None, window_s: float,
+                    max_chunk: int | None) -> Iterator[list[StepEvent]]:
         if cancel is not None and cancel.is_set():
             return
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"{len(stop_ids)} stop ids; the CUDA engine takes at most "
+                             f"{MAX_STOP_IDS}")
         n0, t = len(self.kv_tokens), len(new_tokens)
-        # decode forwards: at most max_new_tokens - 1 (the last token is never forwarded) and
-        # no position past the context
+        # decode steps: at most max_new_tokens - 1 (the last token is never forwarded) and no
+        # position past the context; the turn yields at most steps_max + 1 tokens
         steps_max = max(0, min(max_new_tokens - 1, self.max_context - (n0 + t)))
+        total = steps_max + 1
+        graph = self._mode == "graph"
         with self._lock:
             self._gen_id += 1
             my_id = self._gen_id
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream), \
                     torch.inference_mode():
-                self.cache.rollback(n0)
+                self.core.begin_turn([])  # the previous turn's steps are done before we touch
+                self.cache.rollback(n0)   # pages or parameters
                 self._reserve(n0 + t + steps_max)
                 self.seed = self._set_params(params)
                 self.counter.zero_()
-                start = torch.cuda.Event(enable_timing=True)
-                start.record(self.stream)
+                self.core.begin_turn(sorted(stop_ids))  # syncs the copies above, stamps t0
                 try:
                     self._prefill(new_tokens, n0, sample=True)
                 except BaseException:
                     self.cache.rollback(n0)
                     raise
-                ends = [torch.cuda.Event(enable_timing=True)]
-                ends[0].record(self.stream)
-        launched = 0
+                self.core.start(steps_max, graph, RUN_AHEAD["graph" if graph else "eager"])
+        idx, prev_ns = 0, 0
         try:
-            for idx in range(max_new_tokens):
+            while idx < total:
                 if self._gen_id != my_id:
                     return  # a forward()/generate() took the cache over
-                with self._lock, torch.cuda.device(self.device), \
-                        torch.cuda.stream(self.stream), torch.inference_mode():
-                    # keep decode steps queued beyond the token we wait for; eager launches
-                    # cost host time per step, so eager keeps a shorter queue
-                    ahead = LOOKAHEAD if self._mode == "graph" else 2
-                    while launched < min(steps_max, idx + ahead):
-                        self._run_step()
-                        ev = torch.cuda.Event(enable_timing=True)
-                        ev.record(self.stream)
-                        ends.append(ev)
-                        launched += 1
-                ends[idx].synchronize()  # releases the GIL; at most about one step
-                with torch.inference_mode():  # host_ring is an inference-mode tensor
-                    token = int(self.host_ring[idx % RING])
-                if idx == 0:
-                    step_ms = start.elapsed_time(ends[0])
-                    self.kv_tokens.extend(new_tokens)
-                else:
-                    step_ms = ends[idx - 1].elapsed_time(ends[idx])
-                    self.kv_tokens.append(self._last)  # step idx forwarded token idx-1
+                want = 1 if idx == 0 else min(max_chunk or total, total - idx)
+                ids, ts, status = self.core.collect(idx, want, 0.0 if idx == 0 else window_s * 1e3,
+                                                    COLLECT_TIMEOUT_MS)
+                if status == 2:
+                    raise NanoqwenError(f"the CUDA engine failed: {self.core.error()}")
+                if not ids:
+                    if status == 1 or (cancel is not None and cancel.is_set()):
+                        return  # halted (a cancel): nothing more will land
+                    continue
+                chunk, done = [], False
+                for tok, t_ns in zip(ids, ts):
+                    if idx == 0:
+                        step_ms = (t_ns - self.core.start_ns()) / 1e6  # prefill + first sample
+                        self.kv_tokens.extend(new_tokens)
+                    else:
+                        step_ms = (t_ns - prev_ns) / 1e6
+                        self.kv_tokens.append(self._last)  # step idx forwarded token idx-1
+                    prev_ns, self._last = t_ns, tok
+                    chunk.append(StepEvent(tok, step_ms, idx == 0))
+                    idx += 1
+                    if (tok in stop_ids or idx == max_new_tokens
+                            or len(self.kv_tokens) >= self.max_context):
+                        done = True
+                        break
+                self.core.consumed(idx)
                 self.cache.length = len(self.kv_tokens)
-                self._last = token
-                yield StepEvent(token, step_ms, idx == 0)
-                if (token in stop_ids or idx + 1 == max_new_tokens
-                        or len(self.kv_tokens) >= self.max_context
-                        or (cancel is not None and cancel.is_set())):
+                yield chunk
+                if done or (cancel is not None and cancel.is_set()):
                     return
         finally:
             if self._gen_id == my_id:
-                # steps queued past the end computed K/V nobody keeps: wait for them, then
-                # free their pages (the next turn overwrites their slots)
-                self.stream.synchronize()
+                # steps queued past the end computed K/V nobody keeps (graph steps after a
+                # stop are gated off): stop the launcher, wait, then free their pages
+                self.core.finish()
                 self.cache.rollback(len(self.kv_tokens))

@@ -345,3 +345,102 @@ def test_bundled_model_greedy_matches_reference():
             break
     print(f"identical greedy tokens: {identical}; near-tie divergences: {near_ties}")
     assert identical >= 256
+
+def chunk_tokens(chunks) -> list[int]:
+    return [e.token_id for chunk in chunks for e in chunk]
+
+
+def test_stop_halts_the_queued_graph_steps(untied):
+    """A stop id sets the device halt flag: the graph steps the launcher queued after it do
+    nothing (the GPU's position stays at the stop token's), and the chunks end at the stop."""
+    _, cuda = untied
+    assert cuda.gated, cuda.capture_note
+    prompt = list(range(9, 40))
+    cuda.mode = "graph"
+    cuda.truncate(0)
+    free = gen_tokens(cuda, prompt, n=60)
+    stop = free[21]
+    first = free.index(stop)
+    cuda.truncate(0)
+    got = chunk_tokens(cuda.generate_chunks(prompt, GREEDY, 400, stop_ids=frozenset({stop})))
+    assert got == free[:first + 1]
+    assert cuda.kv_tokens == prompt + got[:-1]
+    assert_cache_consistent(cuda)
+    # pos is where the next token would be forwarded: right after the stop token's step
+    assert int(cuda.pos) == len(prompt) + first
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_chunks_equal_per_token_generation(untied, mode):
+    """generate_chunks (one C++ wait per window) yields exactly generate()'s tokens, the first
+    one alone, and leaves the same cache."""
+    _, cuda = untied
+    prompt = list(range(4, 44))
+    params = SamplerParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, seed=7)
+    cuda.mode = mode
+    cuda.truncate(0)
+    want = gen_tokens(cuda, prompt, params, n=150)
+    cuda.truncate(0)
+    chunks = list(cuda.generate_chunks(prompt, params, 150, window_s=0.002))
+    assert len(chunks[0]) == 1 and chunks[0][0].first
+    assert chunk_tokens(chunks) == want
+    assert cuda.kv_tokens == prompt + want[:-1]
+    assert_cache_consistent(cuda)
+    cuda.mode = "graph"
+
+
+def test_request_cancel_halts_the_turn(untied):
+    """request_cancel() (any thread) halts the GPU: every step that ran produced an id the
+    generator delivered, and none ran after the halt (pos == the last delivered token's)."""
+    _, cuda = untied
+    prompt = list(range(3, 34))
+    cuda.mode = "graph"
+    cuda.truncate(0)
+    it = cuda.generate_chunks(prompt, GREEDY, 450)
+    got = [e.token_id for e in next(it)]
+    cuda.request_cancel()
+    got += chunk_tokens(it)
+    assert len(got) < 450
+    assert cuda.kv_tokens == prompt + got[:-1]
+    assert_cache_consistent(cuda)
+    assert int(cuda.pos) == len(prompt) + len(got) - 1
+    # the next turn starts clean (the halt flag is reset)
+    cuda.truncate(0)
+    assert len(gen_tokens(cuda, prompt, n=20)) == 20
+
+
+def test_engine_core_rejects_bad_tensors(untied):
+    """The C++ core checks what it is given and names the tensor and the numbers."""
+    _, cuda = untied
+    c = cuda.config
+    g = [cuda.embed, cuda.norm, cuda.lm_head, cuda.hidden, cuda._xn, cuda.qkv, cuda.attn,
+         cuda.act, cuda.logits, cuda.work, cuda.ws_acc, cuda.ws_ml, cuda.attn_counters,
+         cuda.cos, cuda.sin, cuda.page_table, cuda.token_in, cuda.pos, cuda.sampled,
+         cuda.counter, cuda.ctx_tokens, cuda.params_f, cuda.params_i, cuda.stops]
+    L = cuda.layers[0]
+    layer = [L.ln1, L.ln2, L.qkv_qw, L.qkv_sc, L.qkv_b, L.o_qw, L.o_sc, L.gate_qw, L.gate_sc,
+             L.up_qw, L.up_sc, L.down_qw, L.down_sc, cuda.k_layers[0], cuda.v_layers[0]]
+    dense = [torch.empty(n, k, dtype=torch.float16, device="cuda") for n, k in (
+        (c.q_size + 2 * c.kv_size, c.hidden_size), (c.hidden_size, c.q_size),
+        (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size))]
+    ints = [c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+            c.head_dim, c.vocab_size, 0, 0, cuda.num_splits, 0, 2048]
+    Engine = torch.classes.nanoqwen.Engine
+    s = cuda.stream.cuda_stream
+    Engine(g, layer, dense, ints, 1e-6, s)  # the good arguments are accepted
+    bad = list(g)
+    bad[8] = torch.zeros(c.vocab_size + 1, device="cuda")
+    with pytest.raises(RuntimeError, match=r"logits has shape \[%d\], expected \[%d\]"
+                       % (c.vocab_size + 1, c.vocab_size)):
+        Engine(bad, layer, dense, ints, 1e-6, s)
+    with pytest.raises(RuntimeError, match="layers has 14 tensors, expected 15 a layer"):
+        Engine(g, layer[:-1], dense, ints, 1e-6, s)
+    with pytest.raises(RuntimeError, match="a dense matrix has shape"):
+        Engine(g, layer, dense[::-1], ints, 1e-6, s)
+    core = cuda.core
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        core.prefill(torch.tensor([1, c.vocab_size], dtype=torch.int32), 0, False, True)
+    with pytest.raises(RuntimeError, match="do not fit the cache"):
+        core.prefill(torch.tensor([1, 2], dtype=torch.int32), cuda.max_context + 64, False, True)
+    with pytest.raises(RuntimeError, match="at most 8"):
+        core.begin_turn(list(range(9)))

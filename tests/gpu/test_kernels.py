@@ -249,72 +249,31 @@ def test_sample_top_k_ties_beyond_compact_list(gen):
 
 
 def test_advance_step():
+    """The end of a step: next input, position, context id, the pinned ring slot {id, seq =
+    counter + 1, GPU time} and the halt flag, which only a stop id sets."""
     token_in = torch.zeros(1, dtype=torch.int32, device="cuda")
     pos = torch.tensor([41], dtype=torch.int32, device="cuda")
     ctx = torch.zeros(64, dtype=torch.int32, device="cuda")
     counter = torch.tensor([9], dtype=torch.int64, device="cuda")
-    ring = torch.full((8,), -1, dtype=torch.int32).pin_memory()
+    ring = torch.full((8, 4), -1, dtype=torch.int32).pin_memory()
+    halt = torch.zeros(1, dtype=torch.int32).pin_memory()
+    stops = torch.zeros(9, dtype=torch.int32, device="cuda")
+    stops[:3] = torch.tensor([2, 5, 778])              # two stop ids, 777 is not one
     sampled = torch.tensor([777], dtype=torch.int32, device="cuda")
-    ops().advance_step(token_in, pos, ctx, counter, ring, sampled)
+    ops().advance_step(token_in, pos, ctx, counter, ring, sampled, stops, halt)
     torch.cuda.synchronize()
     assert int(token_in) == 777 and int(pos) == 42 and int(ctx[42]) == 777
-    assert int(counter) == 10 and int(ring[9 % 8]) == 777
+    slot = ring[9 % 8]
+    assert int(counter) == 10 and int(slot[0]) == 777 and int(slot[1]) == 10
+    t0 = (int(slot[2]) & 0xFFFFFFFF) | (int(slot[3]) << 32)
+    assert t0 > 0 and int(halt) == 0
+    sampled.fill_(778)                                  # a stop id: halt is set
+    ops().advance_step(token_in, pos, ctx, counter, ring, sampled, stops, halt)
+    torch.cuda.synchronize()
+    slot = ring[10 % 8]
+    t1 = (int(slot[2]) & 0xFFFFFFFF) | (int(slot[3]) << 32)
+    assert int(slot[0]) == 778 and int(slot[1]) == 11 and int(halt) == 1 and t1 >= t0
 
-
-# ---- GEMV bindings (the kernels' own tests are the GEMV engineer's; this checks the glue) ----
-
-def test_gemv_bindings(gen):
-    from nanoqwen.engine.ops import quantize_int4_gpu
-    from nanoqwen.engine.quant import quantize
-
-    n, k = 100, 384
-    w = torch.randn(n, k, generator=gen, device="cuda") * 0.02
-    qw, sc = quantize_int4_gpu(w)
-    qw_ref, sc_ref = quantize(w.cpu())
-    assert torch.equal(qw.cpu(), qw_ref) and torch.equal(sc.cpu(), sc_ref)  # same layout
-    wd = torch.empty(n, k, dtype=torch.float16, device="cuda")
-    ops().dequant_int4(wd, qw, sc)
-    x = torch.randn(k, generator=gen, device="cuda").half()
-    b = torch.randn(n, generator=gen, device="cuda").half()
-    ref = wd.float() @ x.float()
-    y = torch.empty(n, dtype=torch.float16, device="cuda")
-    ops().gemv_int4(y, x, qw, sc, b)
-    torch.testing.assert_close(y.float(), ref + b.float(), rtol=2e-3, atol=2e-3)  # fp16 out
-    h = torch.randn(n, generator=gen, device="cuda")
-    h0 = h.clone()
-    ops().gemv_int4_residual(h, x, qw, sc)
-    # fp32 out and fp32 sums (v5 tca_exact since run 7, GEMV_NOTES.md); 1e-3 kept from the fp16-sum
-    # kernels (~2^-11 relative per partial sum): any launcher the notes allow must pass
-    torch.testing.assert_close(h, h0 + ref, rtol=1e-3, atol=1e-3)
-    logits = torch.empty(n, device="cuda")
-    ops().gemv_fp16(logits, x, wd)
-    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)  # fp32 products and sums
-
-
-# ---- argument checks ----------------------------------------------------------------------------
-
-def test_bad_arguments_raise_with_numbers():
-    H = 256
-    with pytest.raises(RuntimeError, match="hidden must be Float, got Half"):
-        ops().rmsnorm(torch.empty(1, H, device="cuda").half(), torch.empty(1, H, device="cuda").half(),
-                      torch.empty(H, device="cuda").half(), 1e-6)
-    with pytest.raises(RuntimeError, match=r"out has shape \[2, 256\], expected \[1, 256\]"):
-        ops().rmsnorm(torch.empty(2, H, device="cuda").half(), torch.empty(1, H, device="cuda"),
-                      torch.empty(H, device="cuda").half(), 1e-6)
-    with pytest.raises(RuntimeError, match="must be a CUDA tensor"):
-        ops().rmsnorm(torch.empty(1, H, device="cuda").half(), torch.empty(1, H),
-                      torch.empty(H, device="cuda").half(), 1e-6)
-    with pytest.raises(RuntimeError, match="k=96 is not a multiple of group 128"):
-        ops().gemv_int4(torch.empty(4, device="cuda").half(), torch.empty(96, device="cuda").half(),
-                        torch.zeros(4, 12, dtype=torch.int32, device="cuda"),
-                        torch.zeros(4, 1, device="cuda").half(), None)
-    kc = torch.zeros(4, PAGE, 2, 96, device="cuda").half()
-    with pytest.raises(RuntimeError, match="head_dim=96 is not supported"):
-        ops().paged_attention(torch.empty(4, 96, device="cuda").half(),
-                              torch.empty(4, 1, 96, device="cuda"), torch.empty(4, 1, 2, device="cuda"),
-                              torch.empty(4, 96, device="cuda").half(), kc, kc,
-                              torch.zeros(4, dtype=torch.int32, device="cuda"),
-                              torch.zeros(1, dtype=torch.int32, device="cuda"))
     kc = torch.zeros(4, PAGE, 1, 128, device="cuda").half()
     with pytest.raises(RuntimeError, match="n_heads=9 / n_kv_heads=1"):
         ops().paged_attention(torch.empty(9, 128, device="cuda").half(),
@@ -326,4 +285,6 @@ def test_bad_arguments_raise_with_numbers():
         z = torch.zeros(1, dtype=torch.int32, device="cuda")
         ops().advance_step(z, z.clone(), torch.zeros(8, dtype=torch.int32, device="cuda"),
                            torch.zeros(1, dtype=torch.int64, device="cuda"),
-                           torch.zeros(4, dtype=torch.int32), z.clone())
+                           torch.zeros(4, 4, dtype=torch.int32), z.clone(),
+                           torch.zeros(9, dtype=torch.int32, device="cuda"),
+                           torch.zeros(1, dtype=torch.int32).pin_memory())

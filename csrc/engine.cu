@@ -1,0 +1,388 @@
+// engine.cu -- the decode step launcher, its halt-gated CUDA graph and the launcher thread
+// (engine.h says what each promises). Torch-free; compiles with plain nvcc.
+#include "engine.h"
+
+#include <chrono>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+
+#include "common.cuh"
+#include "gemv.h"
+#include "kernels.h"
+
+namespace nanoqwen {
+namespace {
+
+thread_local std::string t_last_error;
+
+cudaError_t record(cudaError_t e, const char* fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  t_last_error = std::string(buf) + ": " + cudaGetErrorString(e);
+  return e;
+}
+
+// A failed GEMV launcher leaves its own message (per host thread); add it.
+cudaError_t record_gemv(cudaError_t e, const char* what, int layer) {
+  const std::string m = gemv_last_error_message();
+  std::string where = layer >= 0 ? "decode step, layer " + std::to_string(layer) + ", " + what
+                                 : std::string("decode step, ") + what;
+  if (!m.empty()) where += " (" + m + ")";
+  t_last_error = where + ": " + cudaGetErrorString(e);
+  return e;
+}
+
+#define NQ_TRY(call, ...)                                   \
+  do {                                                      \
+    const cudaError_t e_ = (call);                          \
+    if (e_ != cudaSuccess) return record(e_, __VA_ARGS__);  \
+  } while (0)
+
+#define NQ_TRY_GEMV(call, what, layer)                            \
+  do {                                                            \
+    const cudaError_t e_ = (call);                                \
+    if (e_ != cudaSuccess) return record_gemv(e_, what, layer);   \
+  } while (0)
+
+__global__ void stamp_kernel(uint64_t* out) {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  *reinterpret_cast<volatile uint64_t*>(out) = t;
+  __threadfence_system();
+}
+
+// First node of the gated graph: run the step body only while nobody has halted the turn.
+__global__ void gate_kernel(cudaGraphConditionalHandle handle, const int32_t* halt) {
+  const int h = *reinterpret_cast<const volatile int32_t*>(halt);
+  cudaGraphSetConditional(handle, h == 0 ? 1u : 0u);
+}
+
+int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+const char* engine_last_error() { return t_last_error.c_str(); }
+
+cudaError_t stamp_time(uint64_t* out, cudaStream_t stream) {
+  stamp_kernel<<<1, 1, 0, stream>>>(out);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_logits(const StepArgs& a, cudaStream_t s) {
+  if (a.fuse_norm) {
+    NQ_TRY_GEMV(gemv_fp16_norm(a.logits, a.hidden, a.final_norm, a.eps, a.lm_head, a.vocab, a.H, s),
+                "lm_head gemv_fp16_norm", -1);
+  } else {
+    NQ_TRY(rmsnorm(a.xn, a.hidden, a.final_norm, 1, a.H, a.eps, s), "decode step, final rmsnorm");
+    NQ_TRY_GEMV(gemv_fp16(a.logits, a.xn, a.lm_head, a.vocab, a.H, s), "lm_head gemv_fp16", -1);
+  }
+  return cudaSuccess;
+}
+
+cudaError_t launch_sample_advance(const StepArgs& a, cudaStream_t s) {
+  NQ_TRY(sample_token(a.sampled, a.work, a.logits, a.vocab, a.ctx_tokens, a.ctx_capacity, a.pos,
+                      a.params_f, a.params_i, a.counter, s),
+         "decode step, sample_token (V=%d)", a.vocab);
+  NQ_TRY(advance_step(a.token_in, a.pos, a.ctx_tokens, a.ctx_capacity, a.counter, a.ring,
+                      a.ring_size, a.sampled, a.stops, a.halt, s),
+         "decode step, advance_step (ring of %d)", a.ring_size);
+  return cudaSuccess;
+}
+
+cudaError_t launch_step(const StepArgs& a, cudaStream_t s) {
+  const int qkv_n = (a.n_heads + 2 * a.n_kv) * a.head_dim, q = a.n_heads * a.head_dim;
+  const float scale = 1.0f / sqrtf((float)a.head_dim);
+  NQ_TRY(embed_gather(a.hidden, a.embed, a.token_in, 1, a.H, a.vocab, s), "decode step, embed_gather");
+  for (int li = 0; li < (int)a.layers.size(); ++li) {
+    const LayerPtrs& L = a.layers[li];
+    if (a.fuse_norm) {
+      NQ_TRY_GEMV(gemv_int4_norm(a.qkv, a.hidden, L.ln1, a.eps, L.qkv_qw, L.qkv_sc, L.qkv_b, qkv_n,
+                                 a.H, s), "qkv gemv_int4_norm", li);
+    } else {
+      NQ_TRY(rmsnorm(a.xn, a.hidden, L.ln1, 1, a.H, a.eps, s), "decode step, layer %d, rmsnorm 1", li);
+      NQ_TRY_GEMV(gemv_int4(a.qkv, a.xn, L.qkv_qw, L.qkv_sc, L.qkv_b, qkv_n, a.H, s), "qkv gemv_int4",
+                  li);
+    }
+    NQ_TRY(attention_decode(a.attn, a.ws_acc, a.ws_ml, a.attn_counters, a.qkv, L.k_cache,
+                            L.v_cache, a.cos, a.sin, a.page_table, a.table_len, a.pos, a.n_heads,
+                            a.n_kv, a.head_dim, a.num_splits, a.min_pps, scale, s),
+           "decode step, layer %d, attention_decode (heads %d/%d, d=%d, splits %d, min_pps %d)",
+           li, a.n_heads, a.n_kv, a.head_dim, a.num_splits, a.min_pps);
+    NQ_TRY_GEMV(gemv_int4_residual(a.hidden, a.attn, L.o_qw, L.o_sc, a.H, q, s), "o gemv_int4_residual",
+                li);
+    if (a.fuse_norm) {
+      NQ_TRY_GEMV(gemv_int4_silu_mul_norm(a.act, a.hidden, L.ln2, a.eps, L.gate_qw, L.gate_sc,
+                                          L.up_qw, L.up_sc, a.I, a.H, s),
+                  "gate/up gemv_int4_silu_mul_norm", li);
+    } else {
+      NQ_TRY(rmsnorm(a.xn, a.hidden, L.ln2, 1, a.H, a.eps, s), "decode step, layer %d, rmsnorm 2", li);
+      NQ_TRY_GEMV(gemv_int4_silu_mul(a.act, a.xn, L.gate_qw, L.gate_sc, L.up_qw, L.up_sc, a.I, a.H, s),
+                  "gate/up gemv_int4_silu_mul", li);
+    }
+    NQ_TRY_GEMV(gemv_int4_residual(a.hidden, a.act, L.down_qw, L.down_sc, a.H, a.I, s),
+                "down gemv_int4_residual", li);
+  }
+  const cudaError_t e = launch_logits(a, s);
+  return e != cudaSuccess ? e : launch_sample_advance(a, s);
+}
+
+// ---- DecodeLoop ---------------------------------------------------------------------------------
+
+DecodeLoop::DecodeLoop(StepArgs* a, cudaStream_t stream, int device)
+    : a_(a), stream_(stream), device_(device) {
+  // mapped pinned memory: the GPU writes the ring and reads/writes halt through these pointers
+  // (with unified addressing the device alias is the host address; asked for explicitly below)
+  void* p = nullptr;
+  if (cudaHostAlloc(&p, sizeof(int32_t) * 4 * kRingSize + 64, cudaHostAllocMapped) != cudaSuccess) {
+    record(cudaGetLastError(), "cudaHostAlloc of the %d-slot token ring", kRingSize);
+    return;
+  }
+  std::memset(p, 0, sizeof(int32_t) * 4 * kRingSize + 64);
+  ring_ = static_cast<int32_t*>(p);
+  halt_ = ring_ + 4 * kRingSize;                                   // 16-byte aligned
+  stamp_ = reinterpret_cast<uint64_t*>(ring_ + 4 * kRingSize + 4);  // 8-byte aligned
+  void* d = nullptr;
+  if (cudaHostGetDevicePointer(&d, p, 0) == cudaSuccess && d != p) {
+    // no unified addressing: the kernels need the device alias (never seen on sm_90 hosts)
+    record(cudaErrorNotSupported, "the pinned ring's device address differs from its host address");
+    cudaFreeHost(p);
+    ring_ = nullptr;
+    return;
+  }
+  (void)cudaGetLastError();
+  a_->ring = ring_;
+  a_->ring_size = kRingSize;
+  a_->halt = halt_;
+}
+
+DecodeLoop::~DecodeLoop() {
+  stop();
+  cudaStreamSynchronize(stream_);
+  if (exec_) cudaGraphExecDestroy(exec_);
+  if (graph_def_) cudaGraphDestroy(graph_def_);
+  if (ring_) cudaFreeHost(ring_);
+}
+
+cudaError_t DecodeLoop::capture() {
+  if (!ring_) return cudaErrorMemoryAllocation;
+  if (exec_) { cudaGraphExecDestroy(exec_); exec_ = nullptr; }
+  if (graph_def_) { cudaGraphDestroy(graph_def_); graph_def_ = nullptr; }
+  gated_ = false;
+  capture_note_.clear();
+  // 1. the gated graph: gate kernel -> IF(halt == 0) { step }
+  cudaGraph_t g = nullptr;
+  cudaError_t e = cudaGraphCreate(&g, 0);
+  if (e != cudaSuccess) return record(e, "cudaGraphCreate");
+  cudaGraphConditionalHandle h;
+  bool ok = false;
+  do {
+    if ((e = cudaGraphConditionalHandleCreate(&h, g, 0, cudaGraphCondAssignDefault)) != cudaSuccess) break;
+    if ((e = cudaStreamBeginCaptureToGraph(stream_, g, nullptr, nullptr, 0,
+                                           cudaStreamCaptureModeRelaxed)) != cudaSuccess) break;
+    gate_kernel<<<1, 1, 0, stream_>>>(h, halt_);
+    cudaError_t le = cudaGetLastError();
+    cudaGraph_t g2 = g;
+    e = cudaStreamEndCapture(stream_, &g2);
+    if (le != cudaSuccess) { e = le; break; }
+    if (e != cudaSuccess) break;
+    cudaGraphNode_t gate = nullptr;
+    size_t n = 1;
+    if ((e = cudaGraphGetNodes(g, &gate, &n)) != cudaSuccess) break;
+    if (n != 1) { e = cudaErrorUnknown; break; }
+    cudaGraphNodeParams p = {};
+    p.type = cudaGraphNodeTypeConditional;
+    p.conditional.handle = h;
+    p.conditional.type = cudaGraphCondTypeIf;
+    p.conditional.size = 1;
+    cudaGraphNode_t cnode = nullptr;
+    if ((e = cudaGraphAddNode(&cnode, g, &gate, nullptr, 1, &p)) != cudaSuccess) break;
+    cudaGraph_t body = p.conditional.phGraph_out[0];
+    if ((e = cudaStreamBeginCaptureToGraph(stream_, body, nullptr, nullptr, 0,
+                                           cudaStreamCaptureModeRelaxed)) != cudaSuccess) break;
+    const cudaError_t se = launch_step(*a_, stream_);
+    const std::string step_msg = t_last_error;
+    cudaGraph_t b2 = body;
+    e = cudaStreamEndCapture(stream_, &b2);
+    if (se != cudaSuccess) { t_last_error = step_msg; cudaGraphDestroy(g); return se; }
+    if (e != cudaSuccess) break;
+    if ((e = cudaGraphInstantiate(&exec_, g, 0)) != cudaSuccess) break;
+    ok = true;
+  } while (false);
+  if (ok) {
+    graph_def_ = g;
+    gated_ = true;
+    return cudaSuccess;
+  }
+  // the driver refused the conditional graph: say so, and capture the plain step
+  capture_note_ = std::string("halt-gated graph unavailable (") + cudaGetErrorString(e) +
+                  "); queued graph steps run to completion after a stop";
+  (void)cudaGetLastError();
+  cudaStreamCaptureStatus st;
+  if (cudaStreamIsCapturing(stream_, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone) {
+    cudaGraph_t junk = nullptr;
+    cudaStreamEndCapture(stream_, &junk);
+    if (junk) cudaGraphDestroy(junk);
+  }
+  (void)cudaGetLastError();
+  if (g) cudaGraphDestroy(g);
+  if (exec_) { cudaGraphExecDestroy(exec_); exec_ = nullptr; }
+  g = nullptr;
+  if ((e = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed)) != cudaSuccess)
+    return record(e, "cudaStreamBeginCapture of the decode step");
+  const cudaError_t se = launch_step(*a_, stream_);
+  const std::string step_msg = t_last_error;
+  e = cudaStreamEndCapture(stream_, &g);
+  if (se != cudaSuccess) { t_last_error = step_msg; if (g) cudaGraphDestroy(g); return se; }
+  if (e != cudaSuccess) return record(e, "cudaStreamEndCapture of the decode step");
+  if ((e = cudaGraphInstantiate(&exec_, g, 0)) != cudaSuccess) {
+    cudaGraphDestroy(g);
+    return record(e, "cudaGraphInstantiate of the decode step");
+  }
+  graph_def_ = g;
+  return cudaSuccess;
+}
+
+cudaError_t DecodeLoop::run_step(bool graph) {
+  if (graph) {
+    if (!exec_) return record(cudaErrorInvalidValue, "run_step: the decode graph is not captured");
+    const cudaError_t e = cudaGraphLaunch(exec_, stream_);
+    return e == cudaSuccess ? e : record(e, "cudaGraphLaunch of the decode step");
+  }
+  return launch_step(*a_, stream_);
+}
+
+void DecodeLoop::reset_turn() {
+  stop();
+  if (ring_) std::memset(ring_, 0, sizeof(int32_t) * 4 * kRingSize);
+  if (halt_) *reinterpret_cast<volatile int32_t*>(halt_) = 0;
+  launched_ = 0;
+  consumed_ = 0;
+  std::lock_guard<std::mutex> lk(mu_);
+  error_.clear();
+}
+
+bool DecodeLoop::halted() const {
+  return halt_ && *reinterpret_cast<const volatile int32_t*>(halt_) != 0;
+}
+
+bool DecodeLoop::is_stop(int32_t t) const {
+  for (int32_t s : host_stops)
+    if (s == t) return true;
+  return false;
+}
+
+void DecodeLoop::set_error(const std::string& e) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (error_.empty()) error_ = e;
+}
+
+std::string DecodeLoop::error() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return error_;
+}
+
+void DecodeLoop::start(int64_t n_steps, int run_ahead) {
+  stop();
+  if (run_ahead < 1) run_ahead = 1;
+  if (run_ahead > kRingSize - 2) run_ahead = kRingSize - 2;
+  quit_ = false;
+  thread_done_ = false;
+  thread_ = std::thread(&DecodeLoop::thread_main, this, n_steps, run_ahead);
+}
+
+void DecodeLoop::thread_main(int64_t n_steps, int run_ahead) {
+  cudaSetDevice(device_);
+  for (int64_t i = 1; i <= n_steps; ++i) {
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return quit_.load() || i - consumed_.load() <= run_ahead; });
+    }
+    if (quit_.load() || halted()) break;
+    const cudaError_t e = run_step(graph_.load());
+    if (e != cudaSuccess) {
+      set_error(t_last_error);
+      if (halt_) *reinterpret_cast<volatile int32_t*>(halt_) = 1;
+      break;
+    }
+    launched_ = i;
+  }
+  thread_done_ = true;
+}
+
+void DecodeLoop::cancel() {
+  if (halt_) *reinterpret_cast<volatile int32_t*>(halt_) = 1;
+  cv_.notify_all();
+}
+
+void DecodeLoop::stop() {
+  if (thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      quit_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  quit_ = false;
+}
+
+void DecodeLoop::consumed(int64_t n) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (n > consumed_.load()) consumed_ = n;
+  }
+  cv_.notify_all();
+}
+
+int DecodeLoop::collect(int64_t first, int64_t max_n, int64_t min_wait_us, int64_t timeout_us,
+                        std::vector<RingToken>* out) {
+  out->clear();
+  if (!ring_) {
+    set_error("the token ring could not be allocated");
+    return 2;
+  }
+  const int64_t t0 = now_us();
+  int64_t i = first;
+  int polls = 0;
+  for (;;) {
+    while ((int64_t)out->size() < max_n) {
+      const volatile int32_t* s = ring_ + 4 * (i % kRingSize);
+      if ((uint32_t)s[1] != (uint32_t)(i + 1)) break;
+      std::atomic_thread_fence(std::memory_order_acquire);
+      RingToken t;
+      t.token = s[0];
+      t.t_ns = (uint64_t)(uint32_t)s[2] | ((uint64_t)(uint32_t)s[3] << 32);
+      out->push_back(t);
+      ++i;
+      if (is_stop(t.token)) return 0;
+    }
+    if ((int64_t)out->size() >= max_n) return 0;
+    const int64_t el = now_us() - t0;
+    if (!out->empty() && el >= min_wait_us) return 0;
+    if (!error().empty()) return 2;
+    if (++polls % 16 == 0) {
+      const cudaError_t q = cudaStreamQuery(stream_);
+      if (q != cudaSuccess && q != cudaErrorNotReady) {
+        set_error(std::string("the decode stream failed: ") + cudaGetErrorString(q));
+        return 2;
+      }
+      // halted, nothing more launching, the GPU idle: no further token can land
+      if (q == cudaSuccess && halted() && thread_done_.load()) {
+        const volatile int32_t* s = ring_ + 4 * (i % kRingSize);
+        if ((uint32_t)s[1] != (uint32_t)(i + 1)) return out->empty() ? 1 : 0;
+      }
+    }
+    if (el >= timeout_us) return 0;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+}  // namespace nanoqwen

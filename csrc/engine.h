@@ -1,0 +1,196 @@
+// engine.h -- the decode engine core: one decode step enqueued by C++, a CUDA graph of it gated
+// by a device-side halt flag, and a launcher thread that keeps the GPU ahead of the host.
+//
+// Torch-free (raw pointers, a cudaStream_t, cudaError_t back, like every csrc/ file); the
+// binding (csrc/bindings.cpp) owns the tensors, checks them, builds a StepArgs from them and
+// runs the prefill with ATen. Nothing here touches Python: every call can run with the GIL
+// released, and the launcher thread never takes it.
+//
+// The decode loop (docs/INTERFACES.md "CUDA engine core"):
+//   * step i (i >= 1) forwards token i-1 and samples token i; the prefill samples token 0.
+//     advance_step writes each sampled id into the pinned host ring, slot i % ring_size, as
+//     {token, seq = i + 1, t_ns lo, t_ns hi}: the id and the GPU's globaltimer first, then a
+//     system fence, then seq -- so a host that reads seq == i + 1 (acquire) sees the id.
+//   * a sampled stop id makes advance_step set *halt (pinned host memory, read by the GPU and
+//     the host); the host sets it too, to cancel.
+//   * graph mode replays a graph whose first node reads *halt and sets the conditional of an
+//     IF node whose body is the captured step: once halted, every queued replay does nothing
+//     (a ~2 us gate kernel). Eager mode launches the same launch_step() per step; the launcher
+//     thread checks *halt before each launch, so at most the steps already queued still run.
+//   * the launcher thread launches at most `run_ahead` steps beyond the last step the consumer
+//     has taken (collect()), never more than ring_size - 1 (a slot is not overwritten before
+//     it is read).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace nanoqwen {
+
+// One layer's weights (INT4 g128, quant.py's layout) and KV pages.
+struct LayerPtrs {
+  const half* ln1;            // [H]
+  const half* ln2;            // [H]
+  const uint32_t* qkv_qw;     // [q + 2kv, H/8]
+  const half* qkv_sc;         // [q + 2kv, H/128]
+  const half* qkv_b;          // [q + 2kv]
+  const uint32_t* o_qw;       // [H, q/8]
+  const half* o_sc;
+  const uint32_t* gate_qw;    // [I, H/8]
+  const half* gate_sc;
+  const uint32_t* up_qw;      // [I, H/8]
+  const half* up_sc;
+  const uint32_t* down_qw;    // [H, I/8]
+  const half* down_sc;
+  half* k_cache;              // [num_pages, 16, n_kv, head_dim]
+  half* v_cache;
+};
+
+// Everything one decode step reads and writes. Every pointer is on the device except ring and
+// halt (pinned host memory, mapped: the device writes/reads them through the same address).
+struct StepArgs {
+  int H = 0, I = 0, n_heads = 0, n_kv = 0, head_dim = 0, vocab = 0;
+  float eps = 0.f;
+  bool fuse_norm = false;     // NANOQWEN_FUSE_NORM=1: norms in the GEMV prologues (A/B only)
+  int min_pps = 0;            // attention_decode's minimum pages per split
+  int num_splits = 1;
+  int table_len = 0;          // pages in page_table (the RoPE tables hold table_len*16 rows)
+  int ctx_capacity = 0;       // ids in ctx_tokens
+  const half* embed = nullptr;       // [V, H]
+  const half* final_norm = nullptr;  // [H]
+  const half* lm_head = nullptr;     // [V, H]
+  std::vector<LayerPtrs> layers;
+  float* hidden = nullptr;    // [H] fp32 residual
+  half* xn = nullptr;         // [H]
+  half* qkv = nullptr;        // [q + 2kv]
+  half* attn = nullptr;       // [n_heads, head_dim]
+  half* act = nullptr;        // [I]
+  float* logits = nullptr;    // [V]
+  float* work = nullptr;      // [V]
+  float* ws_acc = nullptr;    // [n_heads, num_splits, head_dim]
+  float* ws_ml = nullptr;     // [n_heads, num_splits, 2]
+  int32_t* attn_counters = nullptr;  // [n_kv]
+  const float* cos = nullptr;        // [table_len*16, head_dim/2]
+  const float* sin = nullptr;
+  const int32_t* page_table = nullptr;
+  int32_t* token_in = nullptr;       // [1]
+  int32_t* pos = nullptr;            // [1]
+  int32_t* sampled = nullptr;        // [1]
+  int64_t* counter = nullptr;        // [1]
+  int32_t* ctx_tokens = nullptr;     // [ctx_capacity]
+  const float* params_f = nullptr;   // [4]
+  const int64_t* params_i = nullptr; // [4]
+  const int32_t* stops = nullptr;    // device [1 + kMaxStops]: count, then the stop ids
+  int32_t* ring = nullptr;           // host, mapped: [ring_size, 4]
+  int ring_size = 0;
+  int32_t* halt = nullptr;           // host, mapped: [1]
+};
+
+constexpr int kMaxStops = 8;
+constexpr int kRingSize = 256;      // slots in the pinned ring (the run-ahead is below it)
+
+// The end of a step, also of a prefill: rmsnorm(hidden, final norm) -> lm_head GEMV into
+// logits; then sample_token -> advance_step. Each returns the first failing launch's error;
+// engine_last_error() then says which launch and why, with the numbers.
+cudaError_t launch_logits(const StepArgs& a, cudaStream_t stream);
+cudaError_t launch_sample_advance(const StepArgs& a, cudaStream_t stream);
+
+// Every launch of one decode step: embed_gather, per layer rmsnorm -> qkv GEMV ->
+// attention_decode -> o GEMV (+residual) -> rmsnorm -> gate/up GEMV (SiLU*mul) -> down GEMV
+// (+residual), then launch_logits and launch_sample_advance. Safe to capture.
+cudaError_t launch_step(const StepArgs& a, cudaStream_t stream);
+
+// Writes the GPU's globaltimer (ns) into *out (host mapped) when the stream reaches it.
+cudaError_t stamp_time(uint64_t* out, cudaStream_t stream);
+
+// The message of the last failure recorded by this file's functions in this host thread.
+const char* engine_last_error();
+
+// A token read back from the ring: id and the GPU time its step ended.
+struct RingToken {
+  int32_t token;
+  uint64_t t_ns;
+};
+
+class DecodeLoop {
+ public:
+  // `a` must outlive the loop (the binding keeps it); ring/halt are allocated here.
+  DecodeLoop(StepArgs* a, cudaStream_t stream, int device);
+  ~DecodeLoop();
+  DecodeLoop(const DecodeLoop&) = delete;
+  DecodeLoop& operator=(const DecodeLoop&) = delete;
+
+  // Capture the step: first as a halt-gated graph (IF node); if the driver refuses that, as a
+  // plain graph of the step (then a halted graph replay still runs; gated() says which).
+  cudaError_t capture();
+  bool gated() const { return gated_; }
+  std::string capture_note() const { return capture_note_; }
+
+  // One step now, on the stream (graph replay or the eager launches); no loop involved.
+  cudaError_t run_step(bool graph);
+
+  // Reset the ring and halt for a new turn (the stream must be idle: the caller synced it).
+  void reset_turn();
+  // Start the launcher thread: up to n_steps steps (steps 1..n_steps), each in the mode that
+  // set_graph() last chose, at most run_ahead beyond the consumer.
+  void start(int64_t n_steps, int run_ahead);
+  void set_graph(bool graph) { graph_.store(graph); }
+  // Host-side halt (cancel): the GPU's next gate skips the step, the launcher stops.
+  void cancel();
+  // Stop the launcher thread (halt first) and wait for it. The caller syncs the stream.
+  void stop();
+
+  // Tokens first.. as they land: waits (no GIL here) until at least one token is there, then
+  // keeps taking tokens until min_wait_us has passed since the call or max_n tokens were
+  // taken or a stop id / halt is seen; returns at timeout_us with what it has (maybe none).
+  // status: 0 ok, 1 halted (host cancel or stop: no token beyond the ones returned will come
+  // unless already in the ring), 2 launcher or stream error (engine_error()).
+  int collect(int64_t first, int64_t max_n, int64_t min_wait_us, int64_t timeout_us,
+              std::vector<RingToken>* out);
+  // Mark tokens < n as consumed (frees ring slots for the launcher).
+  void consumed(int64_t n);
+  std::string error() const;
+  int64_t launched() const { return launched_.load(); }
+  bool halted() const;
+  // GPU time of the turn's start stamp (prefill start), ns.
+  uint64_t* start_stamp() { return stamp_; }
+  int32_t* ring() { return ring_; }
+  int32_t* halt_ptr() { return halt_; }
+
+ private:
+  void thread_main(int64_t n_steps, int run_ahead);
+  bool is_stop(int32_t t) const;
+  void set_error(const std::string& e);
+
+  StepArgs* a_;
+  cudaStream_t stream_;
+  int device_;
+  cudaGraph_t graph_def_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+  bool gated_ = false;
+  std::string capture_note_;
+  int32_t* ring_ = nullptr;    // host mapped [kRingSize, 4]
+  int32_t* halt_ = nullptr;    // host mapped [1]
+  uint64_t* stamp_ = nullptr;  // host mapped [1]
+  std::thread thread_;
+  std::atomic<bool> graph_{true};
+  std::atomic<bool> quit_{false};
+  std::atomic<int64_t> launched_{0};
+  std::atomic<int64_t> consumed_{0};
+  std::atomic<bool> thread_done_{true};
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::string error_;
+ public:
+  std::vector<int32_t> host_stops;  // the turn's stop ids (host copy, for collect())
+};
+
+}  // namespace nanoqwen
