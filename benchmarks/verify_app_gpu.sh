@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call for issue 10's product figures: install (textual wheels from .whl), build,
+# all of tests/gpu, `nanoqwen bench` (7B synthetic), then a real 7B-shaped .nanoqwen file
+# (random weights, the real Qwen2 tokenizer from .tok/tokenizer.json) and benchmarks/bench_app.py
+# in graph and eager mode. Logs and JSON under $OUT.
+# usage (from the checkout, carry .whl and .tok):
+#   NANOQWEN_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/verify_app_gpu.sh
+set -o pipefail
+export PYTHONUNBUFFERED=1 MAX_JOBS=16
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+S=$(date +%s)
+t() { echo "[$(( $(date +%s) - S ))s] == $*"; }
+{
+t "install"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+t "build"
+timeout 200 python3 -c "
+import time; t=time.time()
+from nanoqwen.engine.build import load_extension; print(load_extension(), f'{time.time()-t:.0f}s')" 2>&1 | tail -30
+[ "${SKIP_TESTS:-0}" = 1 ] || { t "tests/gpu"; timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -30; }
+t "bench 7b"
+timeout 100 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph,eager --json > "$OUT/bench_7b.json" && tail -c 300 "$OUT/bench_7b.json"
+t "convert 7b"
+timeout 200 nanoqwen convert --synthetic 7b --tokenizer .tok/tokenizer.json -o /tmp/7b.nanoqwen 2>&1 | tail -2
+for m in graph eager; do
+t "bench_app $m"
+timeout ${APP_TIMEOUT:-150} python3 benchmarks/bench_app.py --model /tmp/7b.nanoqwen --backend cuda --mode $m \
+  --tokens ${TOKENS:-1024} --reps ${REPS:-3} --quiet --json "$OUT/app_7b_$m.json" 2>&1 | tail -12
+done
+t "done"
+} 2>&1 | tee "$OUT/verify_app_log.txt"
+true
