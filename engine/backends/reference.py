@@ -15,7 +15,12 @@ Math, as Hugging Face's Qwen2ForCausalLM:
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+import os
+import queue
+import threading
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -32,6 +37,74 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 CPU_MAX_CONTEXT = 4096  # the CPU fallback is for small models and short chats
 
 
+class _ComputeThread:
+    """The one thread that runs every CPU op of every ReferenceBackend in the process.
+
+    PyTorch's CPU ops parallelise with OpenMP, and libgomp gives each thread that starts a
+    parallel region a team of its own. Once libgomp manages more threads than there are CPUs
+    (two callers' teams on 2 cores: the app's load worker and its generation worker, or a
+    benchmark's main thread) its workers stop spinning between regions and sleep on a futex,
+    and every op pays for waking them: measured on 2 cores, the bundled model's decode step
+    went from 7.1 to 15-16 ms. Running all the work here keeps it to one team whoever calls.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def call(self, fn: Callable, *args):
+        """fn(*args) on the compute thread (inline when already on it); its result or raise."""
+        thread = self._thread
+        if thread is threading.current_thread():
+            return fn(*args)
+        if thread is None:
+            thread = self._start()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((fut, fn, args))
+        return fut.result()
+
+    def _start(self) -> threading.Thread:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="nanoqwen-cpu",
+                                                daemon=True)
+                self._thread.start()
+            return self._thread
+
+    def _run(self) -> None:
+        while True:
+            fut, fn, args = self._queue.get()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - raised in the caller
+                    fut.set_exception(e)
+            fut = fn = args = None  # hold no tensors while waiting for the next call
+
+    def _after_fork(self) -> None:
+        self.__init__()
+
+
+_COMPUTE = _ComputeThread()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_COMPUTE._after_fork)
+
+
+def _inline(fn: Callable, *args):
+    return fn(*args)
+
+
+class _CalledSampler:
+    """A Sampler whose `sample` runs through `call` (the compute thread)."""
+
+    def __init__(self, sampler, call: Callable) -> None:
+        self._sampler, self._call = sampler, call
+
+    def sample(self, logits: torch.Tensor, history) -> int:
+        return self._call(self._sampler.sample, logits, history)
+
+
 @dataclass
 class _Layer:
     ln1: torch.Tensor                 # [H]
@@ -40,6 +113,14 @@ class _Layer:
     bq: torch.Tensor                  # [q_size]
     bk: torch.Tensor                  # [kv_size]
     bv: torch.Tensor                  # [kv_size]
+
+
+def _layer_list(L: _Layer) -> list[torch.Tensor]:
+    """A layer's tensors in decoder_layer's order (LAYER_TENSORS)."""
+    w = L.w
+    return [L.ln1, L.ln2, w["self_attn.q_proj"], L.bq, w["self_attn.k_proj"], L.bk,
+            w["self_attn.v_proj"], L.bv, w["self_attn.o_proj"], w["mlp.gate_proj"],
+            w["mlp.up_proj"], w["mlp.down_proj"]]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,6 +167,94 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int) -> t
     return out.reshape(t, n_heads * d)
 
 
+LAYER_TENSORS = ("ln1", "ln2", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "wg", "wu", "wd")
+
+
+def decoder_layer(x: torch.Tensor, w: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                  k_store: torch.Tensor, v_store: torch.Tensor, write_pages: torch.Tensor,
+                  write_slots: torch.Tensor, read_pages: torch.Tensor, pos0: int, n_heads: int,
+                  n_kv: int, head_dim: int, eps: float) -> torch.Tensor:
+    """One Qwen2 layer over x [T, H] at positions pos0..; w: this layer's LAYER_TENSORS.
+
+    K/V of the new positions go into this layer's pages of the paged cache (`k_store` [pages,
+    16, n_kv, d], slot (write_pages[i], write_slots[i]) for position pos0 + i), as
+    KVCache.write does; attention reads positions 0..pos0+T-1 from the pages `read_pages`,
+    as KVCache.gather does.
+    """
+    t = x.shape[0]
+    s = pos0 + t
+    ln1, ln2, wq, bq, wk, bk, wv, bv = w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]
+    wo, wg, wu, wd = w[8], w[9], w[10], w[11]
+    h = rms_norm(x, ln1, eps)
+    q = (h @ wq.T + bq).view(t, n_heads, head_dim)
+    k = (h @ wk.T + bk).view(t, n_kv, head_dim)
+    v = (h @ wv.T + bv).view(t, n_kv, head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_store[write_pages, write_slots] = k.to(k_store.dtype)
+    v_store[write_pages, write_slots] = v.to(v_store.dtype)
+    shape = [read_pages.shape[0] * k_store.shape[1], n_kv, head_dim]
+    k_all = k_store.index_select(0, read_pages).reshape(shape)[:s]     # [S, n_kv, d]
+    v_all = v_store.index_select(0, read_pages).reshape(shape)[:s]
+    a = attention(q, k_all.to(x.dtype), v_all.to(x.dtype), pos0)       # [T, q_size]
+    x = x + a @ wo.T
+    h = rms_norm(x, ln2, eps)
+    g = F.silu(h @ wg.T) * (h @ wu.T)
+    return x + g @ wd.T
+
+
+def forward_tokens(tokens: list[int], pos0: int, page_table: list[int], embed: torch.Tensor,
+                   norm: torch.Tensor, lm_head: torch.Tensor, layers: list[list[torch.Tensor]],
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int,
+                   head_dim: int, rope_theta: float, eps: float, all_logits: bool
+                   ) -> torch.Tensor:
+    """The whole forward of `tokens` at positions pos0..: fp32 logits [T, V] (all_logits) or
+    [1, V] (the last token). K/V are written into `k_cache`/`v_cache` [layers, pages, 16,
+    n_kv, d] at the pages `page_table` maps the positions to (reserved by the caller)."""
+    t = len(tokens)
+    device = embed.device
+    ids = torch.tensor(tokens, dtype=torch.int64, device=device)
+    x = embed[ids]                                                     # [T, H]
+    positions = torch.arange(pos0, pos0 + t)
+    cos, sin = rope_cos_sin(positions, head_dim, rope_theta, embed.dtype)
+    cos, sin = cos.to(device), sin.to(device)
+    page = k_cache.shape[2]
+    table = torch.tensor(page_table, dtype=torch.int64)
+    write_pages = table[positions // page].to(device)
+    write_slots = (positions % page).to(device)
+    read_pages = table[:(pos0 + t + page - 1) // page].to(device)
+    for li in range(len(layers)):
+        x = decoder_layer(x, layers[li], cos, sin, k_cache[li], v_cache[li], write_pages,
+                          write_slots, read_pages, pos0, n_heads, n_kv, head_dim, eps)
+    if not all_logits:
+        x = x[-1:]
+    logits = rms_norm(x, norm, eps) @ lm_head.T                        # [T or 1, V]
+    return logits.float().cpu()
+
+
+def _scripted_forward():
+    """`forward_tokens` compiled by TorchScript, or None where that is not available.
+
+    Why: a TorchScript call runs the whole forward in C++ with the GIL released, while the
+    Python function re-takes the GIL after each of its ~250 ops. Next to a busy UI thread
+    (Textual renders in Python, holding the GIL) each re-take waits up to the interpreter's
+    switch interval (5 ms): measured on 2 cores, a Python loop of small matmuls ran 250x
+    slower beside a GIL-holding thread, the scripted loop 1.7x. Same aten ops, same order:
+    the results are identical (the CPU fuser is off by default), and a test checks that.
+    """
+    global _SCRIPTED
+    if _SCRIPTED is None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # torch.jit.script is deprecated in torch 2.x
+                _SCRIPTED = torch.jit.script(forward_tokens)
+        except Exception:  # noqa: BLE001 - a torch without TorchScript: run the Python one
+            _SCRIPTED = False
+    return _SCRIPTED or None
+
+
+_SCRIPTED = None
+
+
 class ReferenceBackend(Backend):
     name = "reference"
     modes = ("eager",)
@@ -106,9 +275,16 @@ class ReferenceBackend(Backend):
         self.device, self.dtype = device, dtype
         self.device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
                             else "cpu")
-        self._load(tensors, progress)
-        self.cache = KVCache(config.num_hidden_layers, config.num_key_value_heads,
-                             config.head_dim, max_context, kv_dtype or dtype, device)
+        # CPU work runs on the process's one compute thread (see _ComputeThread); on a CUDA
+        # device the caller's thread keeps it (its current stream is thread-local).
+        self._call = _COMPUTE.call if device.type == "cpu" else _inline
+        self._call(self._load, tensors, progress)
+        self.cache = self._call(KVCache, config.num_hidden_layers, config.num_key_value_heads,
+                                config.head_dim, max_context, kv_dtype or dtype, device)
+        # CPU: the TorchScript forward (no GIL while it runs; _scripted_forward says why). On
+        # a CUDA device the Python one, so the oracle runs exactly the ops it shows.
+        scripted = _scripted_forward() if device.type == "cpu" else None
+        self._forward_fn = scripted if scripted is not None else forward_tokens
 
     @classmethod
     def from_model_file(cls, mf, device: str | torch.device = "cpu",
@@ -151,39 +327,34 @@ class ReferenceBackend(Backend):
     def forward_all(self, tokens) -> torch.Tensor:
         """Like forward() but returns fp32 logits of every token, [T, V] (for tests/oracles)."""
         tokens = self._checked(tokens)
-        return self._append(tokens, lambda t, pos: self._run(t, pos, all_logits=True))
+        return self._append(tokens, lambda t, pos: self._call(self._run, t, pos, True))
 
     def _forward(self, tokens: list[int], pos: int) -> torch.Tensor:
-        return self._run(tokens, pos, all_logits=False)
+        return self._call(self._run, tokens, pos, False)
 
     def _truncate(self, n: int) -> None:
-        self.cache.rollback(n)
+        # on the compute thread too: after a forward the caller stopped waiting for
+        # (KeyboardInterrupt), never while it still writes the cache
+        self._call(self.cache.rollback, n)
+
+    def generate(self, new_tokens, params, max_new_tokens: int,
+                 stop_ids: frozenset[int] = frozenset(), cancel: threading.Event | None = None):
+        """Backend.generate, with the sampler's ops on the compute thread as well."""
+        from ..sampling import Sampler
+
+        new_tokens = self.prepare_generate(new_tokens, params, max_new_tokens)
+        return self._generate(new_tokens, _CalledSampler(Sampler(params), self._call),
+                              max_new_tokens, frozenset(stop_ids), cancel)
 
     @torch.inference_mode()
     def _run(self, tokens: list[int], pos0: int, all_logits: bool) -> torch.Tensor:
         c = self.config
-        nh, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         t = len(tokens)
-        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        x = self.embed[ids]                                              # [T, H]
-        cos, sin = rope_cos_sin(torch.arange(pos0, pos0 + t), d, c.rope_theta, self.dtype)
-        cos, sin = cos.to(self.device), sin.to(self.device)
         self.cache.reserve(pos0 + t)
-        for li, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.ln1, c.rms_norm_eps)
-            q = (h @ layer.w["self_attn.q_proj"].T + layer.bq).view(t, nh, d)
-            k = (h @ layer.w["self_attn.k_proj"].T + layer.bk).view(t, nkv, d)
-            v = (h @ layer.w["self_attn.v_proj"].T + layer.bv).view(t, nkv, d)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            self.cache.write(li, pos0, k, v)
-            k_all, v_all = self.cache.gather(li, pos0 + t)               # [S, n_kv, d]
-            a = attention(q, k_all.to(self.dtype), v_all.to(self.dtype), pos0)  # [T, q_size]
-            x = x + a @ layer.w["self_attn.o_proj"].T
-            h = rms_norm(x, layer.ln2, c.rms_norm_eps)
-            g = F.silu(h @ layer.w["mlp.gate_proj"].T) * (h @ layer.w["mlp.up_proj"].T)
-            x = x + g @ layer.w["mlp.down_proj"].T
-        x = x if all_logits else x[-1:]
-        logits = rms_norm(x, self.norm, c.rms_norm_eps) @ self.lm_head.T  # [T or 1, V]
+        fn = self._forward_fn
+        logits = fn(tokens, pos0, self.cache.page_table, self.embed, self.norm, self.lm_head,
+                    [_layer_list(L) for L in self.layers], self.cache.k, self.cache.v, c.num_attention_heads,
+                    c.num_key_value_heads, c.head_dim, float(c.rope_theta),
+                    float(c.rms_norm_eps), all_logits)
         self.cache.length = pos0 + t
-        logits = logits.float().cpu()
         return logits if all_logits else logits[0]

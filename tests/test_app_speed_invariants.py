@@ -1,0 +1,202 @@
+"""What keeps the app's cost per batch flat and the CPU engine fast beside the UI, checked as
+behaviour (no clock: benchmarks/bench_app.py measures the speed).
+
+* A streamed code block is lexed incrementally and shown in chunks: at every step its
+  highlighting equals textual.highlight's of the whole code, the lexer keeps all but the last
+  lines for good, the chunks before the last ones are never touched again, and the finished
+  block is exactly what a fresh render of the text shows.
+* The reference backend runs its CPU work on one thread whoever calls it (one OpenMP team),
+  and its TorchScript forward gives exactly the Python forward's logits and cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import pytest
+import torch
+from textual.app import App
+from textual.containers import VerticalScroll
+from textual.highlight import HighlightTheme
+from textual.widgets import Markdown
+from textual.widgets._markdown import MarkdownFence
+
+from helpers import TINY_TIED, TINY_UNTIED, file_tensors, random_weights
+from nanoqwen.app.widgets import CHUNK_LINES, AssistantMessage, CodeFence, _StreamHighlighter
+from nanoqwen.engine.backends import reference
+from nanoqwen.engine.backends.reference import ReferenceBackend
+from nanoqwen.engine.sampling import SamplerParams
+
+PY_BODY = '''def insert(self, value: int) -> None:
+    """Insert `value` at the end.
+
+    A docstring over several lines, with ``` inside it,
+    and 'quotes' "of both" kinds.
+    """
+    node = Node(value)  # a comment
+    s = \'\'\'a triple-quoted
+string\'\'\'
+    if self.head is None:
+        self.head = node
+        return
+    cur = self.head
+    while cur.next is not None:
+        cur = cur.next
+    cur.next = node
+    print(f"{value!r:>8} inserted", 0x1F, 3.5e-2, [1, 2], {"k": (None, True)})
+
+@decorator(arg=1)
+class Thing(Base, metaclass=Meta):
+    pass
+'''
+
+SAMPLES = {
+    "python": "\n".join(PY_BODY for _ in range(4)),
+    "javascript": "function f(a, b) {\n  /* multi\n  line */\n  const s = `t ${a}\nline`;\n"
+                  "  return a + b; // c\n}\n" * 6,
+    "bash": 'for i in 1 2; do\n  echo "$i" <<EOF\nheredoc $i\nEOF\ndone\n' * 6,
+    "rust": 'fn main() {\n    let s = r#"raw\nstring"#;\n    println!("{}", s);\n}\n' * 6,
+    "c": '#include <stdio.h>\n/* a\n * b */\nint main(void) {\n  return 0;\n}\n' * 3,
+    "": "def f(x):\n    return x\n" * 5,          # no language: guessed, whole each time
+}
+
+
+def spans_of(content) -> list[tuple]:
+    return [(s.start, s.end, str(s.style)) for s in content.spans]
+
+
+@pytest.mark.parametrize("language", list(SAMPLES), ids=lambda x: x or "guess")
+def test_streamed_highlighting_equals_the_whole_codes_at_every_step(language):
+    code = SAMPLES[language].rstrip()
+    for seed in range(2):
+        rnd = random.Random(seed)
+        hl = _StreamHighlighter(language, HighlightTheme)
+        i = 0
+        while i < len(code):
+            i = min(len(code), i + rnd.randint(1, 15))
+            cur = code[:i].rstrip()        # the fence's code, as Textual gives it (rstripped)
+            hl.update(cur)
+            got = [(s.start, s.end, str(s.style)) for s in hl.between(0, len(cur) + 1)]
+            # [0] of Textual's Content is the "$text" base style of stylize_before
+            assert got == spans_of(MarkdownFence.highlight(cur, language))[1:], (language, i)
+        if language == "python":
+            # all but the last lines are lexed for good: the next update lexes only those
+            assert hl.resumable and code.count("\n", hl.done) <= 2
+
+
+def _chunks(fence: CodeFence) -> list[tuple[str, list]]:
+    return [(c.content.plain, spans_of(c.content)) for c in fence.query("CodeChunk")]
+
+
+class Harness(App):
+    def compose(self):
+        yield VerticalScroll(id="box")
+
+
+def test_streamed_reply_renders_like_a_fresh_one_and_keeps_finished_chunks():
+    text = "Here is the code:\n\n```python\n" + SAMPLES["python"] + "```\n\nAnd more text.\n"
+
+    async def run():
+        app = Harness()
+        async with app.run_test(size=(100, 40)) as pilot:
+            box = app.query_one("#box")
+            streamed = AssistantMessage("", 1)
+            await box.mount(streamed)
+            stream = Markdown.get_stream(streamed)
+            rnd = random.Random(0)
+            i, seen = 0, {}
+            while i < len(text):
+                j = min(len(text), i + rnd.randint(1, 40))
+                await stream.write(text[i:j])
+                i = j
+                await pilot.pause()
+                for fence in streamed.query(CodeFence):
+                    chunks = list(fence.query("CodeChunk"))
+                    # a chunk that was sealed is the same widget with the same content after
+                    for k in range(fence._sealed):
+                        key = (id(fence), k)
+                        now = (id(chunks[k]), chunks[k].content.plain, spans_of(chunks[k].content))
+                        assert seen.setdefault(key, now) == now
+                    # while the block grows, only its last chunks are still open
+                    if "```\n\n" not in text[:i]:
+                        assert len(chunks) - fence._sealed <= 2
+            await stream.stop()
+            streamed.set_finish("stop")
+            await pilot.pause()
+            assert streamed.source == text
+            fresh = AssistantMessage(text, 2)
+            await box.mount(fresh)
+            await pilot.pause()
+            [a], [b] = streamed.query(CodeFence), fresh.query(CodeFence)
+            assert a.code == b.code == SAMPLES["python"].rstrip()
+            assert _chunks(a) == _chunks(b)
+            # the chunks together are Textual's own highlight of the whole block
+            whole = MarkdownFence.highlight(a.code, "python")
+            assert "\n".join(t for t, _ in _chunks(a)) == whole.plain
+            lines_ours = [line for c in a.query("CodeChunk") for line in c.content.split("\n")]
+            lines_textual = whole.split("\n")
+            assert [(x.plain, spans_of(x)) for x in lines_ours] == \
+                   [(x.plain, spans_of(x)) for x in lines_textual]
+            # and the screen shows the same lines for both
+            assert a.size == b.size
+            assert [s.text for s in a.render_lines(a.region.reset_offset)] == \
+                   [s.text for s in b.render_lines(b.region.reset_offset)]
+
+    asyncio.run(run())
+
+
+# --- the reference backend ----------------------------------------------------------------------
+class ThreadRecording(ReferenceBackend):
+    """The real backend, recording which threads ran its load and its forwards."""
+
+    threads: set
+
+    def _load(self, tensors, progress):
+        type(self).threads.add(threading.get_ident())
+        return super()._load(tensors, progress)
+
+    def _run(self, tokens, pos0, all_logits):
+        type(self).threads.add(threading.get_ident())
+        return super()._run(tokens, pos0, all_logits)
+
+
+def test_reference_cpu_work_runs_on_one_thread_whoever_calls():
+    ThreadRecording.threads = set()
+    tensors = file_tensors(TINY_UNTIED, random_weights(TINY_UNTIED, seed=3))
+    made = []
+    loader = threading.Thread(target=lambda: made.append(ThreadRecording(TINY_UNTIED, tensors)))
+    loader.start()
+    loader.join()
+    be = made[0]
+    be.forward([1, 2, 3])                                         # the main thread
+    out = []
+    worker = threading.Thread(target=lambda: out.extend(
+        s.token_id for s in be.generate([4, 5], SamplerParams.greedy_params(), 6)))
+    worker.start()
+    worker.join()
+    assert len(out) == 6 and len(be.kv_tokens) == 3 + 2 + 5
+    assert ThreadRecording.threads == {reference._COMPUTE._thread.ident}
+    # a failure inside the model reaches the caller, the cache stays consistent
+    w = be.layers[0].w["mlp.down_proj"]
+    be.layers[0].w["mlp.down_proj"] = w[:, :-1]
+    with pytest.raises(RuntimeError):
+        be.forward([7, 8])
+    be.layers[0].w["mlp.down_proj"] = w
+    assert len(be.kv_tokens) == be.cache.length == 10
+
+
+@pytest.mark.parametrize("cfg", [TINY_UNTIED, TINY_TIED], ids=lambda c: c.name)
+def test_torchscript_forward_gives_the_python_forwards_results(cfg):
+    tensors = file_tensors(cfg, random_weights(cfg, seed=1))
+    scripted, plain = ReferenceBackend(cfg, tensors), ReferenceBackend(cfg, tensors)
+    assert scripted._forward_fn is not reference.forward_tokens   # TorchScript is in use here
+    plain._forward_fn = reference.forward_tokens
+    ids = torch.randint(0, cfg.vocab_size, (45,), generator=torch.Generator().manual_seed(0))
+    ids = ids.tolist()
+    assert torch.equal(scripted.forward_all(ids[:21]), plain.forward_all(ids[:21]))  # 2 pages
+    for i in ids[21:]:
+        assert torch.equal(scripted.forward([i]), plain.forward([i]))
+    assert torch.equal(scripted.cache.k, plain.cache.k)
+    assert torch.equal(scripted.cache.v, plain.cache.v)
