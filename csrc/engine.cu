@@ -362,6 +362,7 @@ int DecodeLoop::collect(int64_t first, int64_t max_n, int64_t min_wait_us, int64
       t.t_ns = (uint64_t)(uint32_t)s[2] | ((uint64_t)(uint32_t)s[3] << 32);
       out->push_back(t);
       ++i;
+      consumed(i);  // the id is copied out: its slot may be refilled, the launcher may go on
       if (is_stop(t.token)) return 0;
     }
     if ((int64_t)out->size() >= max_n) return 0;

@@ -155,7 +155,8 @@ class DecodeLoop {
   // unless already in the ring), 2 launcher or stream error (engine_error()).
   int collect(int64_t first, int64_t max_n, int64_t min_wait_us, int64_t timeout_us,
               std::vector<RingToken>* out);
-  // Mark tokens < n as consumed (frees ring slots for the launcher).
+  // Mark tokens < n as consumed (frees ring slots for the launcher). collect() marks each id
+  // it copies out, so the launcher never waits for the consumer's processing of a window.
   void consumed(int64_t n);
   std::string error() const;
   int64_t launched() const { return launched_.load(); }

@@ -41,7 +41,7 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 # decode steps the launcher thread keeps queued beyond the last id the host took; the ring
 # (csrc/engine.h kRingSize = 256) bounds it. Graph steps after a stop are gated off, so a deep
 # queue costs nothing; eager steps after a stop still run, so eager queues less.
-RUN_AHEAD = {"graph": 64, "eager": 32}
+RUN_AHEAD = {"graph": 128, "eager": 48}
 MAX_STOP_IDS = 8       # csrc/engine.h kMaxStops
 COLLECT_TIMEOUT_MS = 100.0  # longest wait inside the core before Python re-checks cancel
 PREFILL_CHUNK = 2048   # prompt tokens per prefill chunk (bounds activation memory)
