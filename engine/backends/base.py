@@ -19,7 +19,7 @@ token alone and at once, then whatever is ready each time the window has passed.
 that wakes per list rather than per token (the app's worker, the CLI) pays its per-wake
 costs (GIL hand-off, detokenizing, posting) once per window. The default groups
 `generate()`'s events; a backend with its own loop may override it with a native one
-(the CUDA backend is to read its pinned host ring once per window).
+(the CUDA backend does: one C++ wait per window on its pinned host ring).
 """
 
 from __future__ import annotations
