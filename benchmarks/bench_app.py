@@ -1,0 +1,380 @@
+"""The whole product against the engine alone: what reaches the screen vs what the engine does.
+
+One process, the same model and the same turns, side by side:
+  * engine alone: a `ChatSession` loop over the backend (no app, its event loop blocked, so
+    nothing else runs); its rate and TTFT are its own step timings (`Stats`), plus the wall clock
+    of the turn;
+  * the app: `NanoqwenApp` headless under `App.run_test`, real settings and chat store in a temp
+    dir (XDG_CONFIG_HOME / XDG_DATA_HOME), the message typed into the prompt and Enter sent as a
+    key event through the driver, as a terminal would; "on screen" is the wall clock at which
+    the reply's Markdown widget finished taking each piece of text (its `append` completed).
+
+Cases, per repetition (a warm-up repetition is run and left out of the medians):
+  new_chat   a new chat, cold cache (the backend's cache emptied first), first user message
+  next_turn  a second user message (~40 tokens) in the same chat: only it is prefilled after the
+             cached prefix of the first turn (the product's "TTFT of a new turn")
+Both sides use greedy decoding, so they produce the same tokens (checked: same_text).
+
+Printed and written (`--json FILE`): per case the medians of the engine's tok/s (its step
+timings) and TTFT (engine-measured), the on-screen tok/s ((tokens - 1) / (last text - first
+text on screen)) and TTFT (Enter -> first character on screen), both turns' wall clock, and
+the ratios; the JSON has every turn too, with date, device, commit, model, backend and mode.
+
+    .venv/bin/python benchmarks/bench_app.py                                  # CPU, bundled model
+    python benchmarks/bench_app.py --model 7b.nanoqwen --backend cuda --mode graph --tokens 1024 \
+        --json benchmarks/results/app-vs-engine-h200-graph.json
+
+The app is driven through its own engine object, whatever it is called (the bridge or the
+engine service): the benchmark needs only `backend` + `tokenizer` attributes on it to run the
+engine-alone loop on the same backend; without them it loads the model a second time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Coding requests (the bundled model answers in a ```python block), taken in turn, so that even
+# without a shared backend (no cache emptied) no turn finds its own prompt cached.
+FIRST = [  # greedy replies of the bundled model to these run to 256 tokens and more
+    "Write a Python class for a linked list with insert, delete and search methods.",
+    "Write a Python class for a queue with enqueue and dequeue methods.",
+    "Write a Python class for a graph with add_edge, bfs and dfs methods.",
+]
+SECOND = ("Now add type hints and a docstring to every function, handle the empty input "
+          "and invalid arguments by raising ValueError with a clear message, and write "
+          "pytest unit tests for the normal case, the empty case and one error case.")
+
+
+# --- small helpers ---------------------------------------------------------------------------
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def ratio(a, b):
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO, capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def find_engine(app):
+    """(backend, tokenizer) of the engine the app loaded, or (None, None)."""
+    for name in ("engine", "service", "bridge"):
+        obj = getattr(app, name, None)
+        if obj is None:
+            continue
+        for b, t in (("backend", "tokenizer"), ("_backend", "_tokenizer")):
+            be, tok = getattr(obj, b, None), getattr(obj, t, None)
+            if be is not None and tok is not None and hasattr(be, "kv_tokens"):
+                return be, tok
+    return None, None
+
+
+def app_engine_loaded(app) -> bool:
+    return any(getattr(app, n, None) is not None for n in ("engine", "service", "bridge"))
+
+
+# --- on-screen timing: when the reply widget has taken each piece of text ------------------------
+class ScreenClock:
+    """Wraps AssistantMessage.append (what the Markdown stream calls) to record, per widget,
+    (time the append completed, length of the widget's source then)."""
+
+    def __init__(self) -> None:
+        from textual.await_complete import AwaitComplete
+        from nanoqwen.app.widgets import AssistantMessage
+
+        self.marks: dict[int, list[tuple[float, int]]] = {}
+        orig = AssistantMessage.append
+        marks = self.marks
+
+        def append(widget, markdown: str):
+            aw = orig(widget, markdown)
+
+            async def timed() -> None:
+                await aw
+                marks.setdefault(id(widget), []).append((time.perf_counter(), len(widget.source)))
+            return AwaitComplete(timed())
+
+        AssistantMessage.append = append
+
+    def first_last(self, widget, final_len: int):
+        m = self.marks.get(id(widget), [])
+        first = next((t for t, n in m if n > 0), None)
+        last = next((t for t, n in m if n >= final_len), None)
+        return first, last, len(m)
+
+
+# --- the engine alone ------------------------------------------------------------------------
+def engine_turn(session, text: str, params, n: int) -> dict:
+    from nanoqwen.engine.session import Stats, TextDelta
+
+    t0 = time.perf_counter()
+    first = None
+    parts: list[str] = []
+    stats = None
+    for ev in session.generate(text, params, n):
+        if isinstance(ev, TextDelta):
+            if first is None:
+                first = time.perf_counter()
+            parts.append(ev.text)
+        elif isinstance(ev, Stats):
+            stats = ev
+    t1 = time.perf_counter()
+    n_gen = stats.n_generated if stats else None
+    return dict(
+        text="".join(parts), n_generated=n_gen, turn_s=t1 - t0,
+        ttft_ms=stats.ttft_ms if stats else None,           # engine-measured
+        first_text_ms=(first - t0) * 1e3 if first else None,  # wall, call -> first text
+        tok_s=stats.tokens_per_s if stats else None,        # decode steps / their time
+        wall_tok_s=((n_gen - 1) / (t1 - first) if n_gen and n_gen > 1 and first and t1 > first
+                    else None),
+        n_prompt=stats.n_prompt if stats else None,
+        n_prefilled=getattr(stats, "n_prefilled", None), n_reused=getattr(stats, "n_reused", None),
+        mode=stats.mode if stats else None)
+
+
+# --- the app ------------------------------------------------------------------------------------
+async def until(cond, timeout: float, what: str) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def app_turn(app, clock: ScreenClock, text: str, timeout: float) -> dict:
+    from textual import events
+    from nanoqwen.app.widgets import AssistantMessage, PromptInput
+
+    chat = app.chat
+    before = {id(w) for w in chat.query(AssistantMessage)}
+
+    def new_reply():
+        return next((w for w in chat.query(AssistantMessage) if id(w) not in before), None)
+    prompt = chat.query_one("#prompt", PromptInput)
+    prompt.text = text
+    prompt.focus()
+    await asyncio.sleep(0.05)                        # let the UI settle before Enter
+    key = events.Key("enter", "\r")
+    key.set_sender(app)
+    t0 = time.perf_counter()
+    app._driver.send_message(key)                    # as the terminal driver delivers a key
+    await until(lambda: new_reply() is not None, 30, "the reply to start")
+    await until(lambda: not chat.generating, timeout, "the reply to finish")
+    widget = new_reply()
+    await asyncio.sleep(0.05)
+    source = widget.source
+    first, last, n_appends = clock.first_last(widget, len(source))
+    msg = app.store.messages(chat.chat_id)[-1]
+    st = msg.stats or {}
+    n_gen = st.get("n_generated")
+    return dict(
+        text=source, n_generated=n_gen, finish=msg.finish,
+        turn_s=(last - t0) if last else None,                    # Enter -> whole reply on screen
+        screen_ttft_ms=(first - t0) * 1e3 if first else None,    # Enter -> first character
+        screen_tok_s=((n_gen - 1) / (last - first) if n_gen and n_gen > 1 and first and last
+                      and last > first else None),
+        engine_ttft_ms=st.get("ttft_ms"),                        # the engine's, inside the app
+        engine_tok_s=st.get("tokens_per_s"),
+        appends=n_appends)
+
+
+async def run(args) -> dict:
+    from nanoqwen.app.main import NanoqwenApp
+    from nanoqwen.app.settings import Settings, save_settings
+    from nanoqwen.engine import loader
+
+    model = Path(args.model) if args.model else loader.default_model_path()
+    save_settings(Settings(greedy=True, max_new_tokens=args.tokens,
+                           decode_mode=args.mode or "graph"))
+    clock = ScreenClock()
+    app = NanoqwenApp(model=model, backend=args.backend, mode=args.mode)
+    turns: list[dict] = []
+    meta: dict = {}
+    async with app.run_test(size=(args.width, args.height)):
+        await until(lambda: app_engine_loaded(app), args.load_timeout, "the model to load")
+        await asyncio.sleep(0.2)
+        backend, tokenizer = find_engine(app)
+        separate = None
+        if backend is None:  # an engine object that does not expose them: a second copy
+            separate = loader.load(model, backend=args.backend, mode=args.mode or "graph")
+            backend, tokenizer = separate.backend, separate.tokenizer
+        params = app.settings.sampler_params()
+        meta = dict(backend=backend.name, device=backend.device_name, model=backend.config.name,
+                    mode=backend.mode, engine_shared_with_app=separate is None)
+        from nanoqwen.engine.session import ChatSession
+
+        for rep in range(args.warmup + args.reps):
+            first_msg = FIRST[rep % len(FIRST)]
+            for side in (("engine", "app") if rep % 2 == 0 else ("app", "engine")):
+                if separate is None:
+                    backend.truncate(0)      # a new chat on a cold cache, whoever ran before
+                if side == "engine":
+                    s = ChatSession(backend, tokenizer)
+                    r1 = engine_turn(s, first_msg, params, args.tokens)
+                    r2 = engine_turn(s, SECOND, params, args.tokens)
+                else:
+                    app.chat.action_new_chat()
+                    await asyncio.sleep(0.2)   # the old chat's widgets go
+                    r1 = await app_turn(app, clock, first_msg, args.turn_timeout)
+                    r2 = await app_turn(app, clock, SECOND, args.turn_timeout)
+                for case, r in (("new_chat", r1), ("next_turn", r2)):
+                    turns.append(dict(rep=rep, warmup=rep < args.warmup, side=side, case=case,
+                                      **r))
+                if not args.quiet:
+                    for case, r in (("new_chat", r1), ("next_turn", r2)):
+                        print(f"  rep {rep}{' (warm-up)' if rep < args.warmup else ''} "
+                              f"{side:6s} {case:9s} {one_line(side, r)}", flush=True)
+        if separate is not None:
+            separate.close()
+    return dict(meta=meta, turns=turns)
+
+
+def one_line(side: str, r: dict) -> str:
+    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    if side == "engine":
+        return (f"{f(r['n_generated'], 'd')} tok  {f(r['tok_s'], '.1f')} tok/s  TTFT "
+                f"{f(r['ttft_ms'], '.1f')} ms  turn {f(r['turn_s'], '.3f')} s  "
+                f"(prefilled {r['n_prefilled']})")
+    return (f"{f(r['n_generated'], 'd')} tok  {f(r['screen_tok_s'], '.1f')} tok/s on screen  "
+            f"Enter->text {f(r['screen_ttft_ms'], '.1f')} ms  turn {f(r['turn_s'], '.3f')} s  "
+            f"(engine in app: {f(r['engine_tok_s'], '.1f')} tok/s, TTFT "
+            f"{f(r['engine_ttft_ms'], '.1f')} ms; {r['appends']} appends)")
+
+
+def summarize(turns: list[dict]) -> dict:
+    out = {}
+    for case in ("new_chat", "next_turn"):
+        e = [t for t in turns if t["case"] == case and t["side"] == "engine" and not t["warmup"]]
+        a = [t for t in turns if t["case"] == case and t["side"] == "app" and not t["warmup"]]
+        same = [x["text"] == y["text"] for x, y in
+                zip(sorted(e, key=lambda t: t["rep"]), sorted(a, key=lambda t: t["rep"]))]
+        s = dict(
+            engine_tok_s=med(t["tok_s"] for t in e),
+            engine_wall_tok_s=med(t["wall_tok_s"] for t in e),
+            engine_ttft_ms=med(t["ttft_ms"] for t in e),
+            engine_first_text_ms=med(t["first_text_ms"] for t in e),
+            engine_turn_s=med(t["turn_s"] for t in e),
+            screen_tok_s=med(t["screen_tok_s"] for t in a),
+            screen_ttft_ms=med(t["screen_ttft_ms"] for t in a),
+            app_turn_s=med(t["turn_s"] for t in a),
+            engine_in_app_tok_s=med(t["engine_tok_s"] for t in a),
+            engine_in_app_ttft_ms=med(t["engine_ttft_ms"] for t in a),
+            n_generated=med(t["n_generated"] for t in a),
+            n_prefilled=med(t["n_prefilled"] for t in e),
+            same_text=all(same) if same else None,
+            reps=len(a))
+        s["rate_ratio"] = ratio(s["screen_tok_s"], s["engine_tok_s"])
+        s["turn_ratio"] = ratio(s["app_turn_s"], s["engine_turn_s"])
+        s["ttft_ratio"] = ratio(s["screen_ttft_ms"], s["engine_ttft_ms"])
+        s["ttft_gap_ms"] = (s["screen_ttft_ms"] - s["engine_ttft_ms"]
+                            if s["screen_ttft_ms"] is not None and s["engine_ttft_ms"] is not None
+                            else None)
+        out[case] = s
+    return out
+
+
+def print_summary(meta: dict, summary: dict, args) -> None:
+    f = lambda v, fmt=".1f": "-" if v is None else format(v, fmt)  # noqa: E731
+    print(f"\n{meta['model']} · {meta['backend']} ({meta['device']}) · mode {meta['mode']} · "
+          f"{args.tokens} new tokens · medians of {args.reps} reps"
+          + ("" if meta.get("engine_shared_with_app") else " · engine loaded separately"))
+    print(f"{'case':10s} {'engine tok/s':>12s} {'screen tok/s':>12s} {'ratio':>6s}   "
+          f"{'engine TTFT':>11s} {'Enter->text':>11s} {'ratio':>6s}   "
+          f"{'engine turn':>11s} {'app turn':>9s} {'ratio':>6s}  same text")
+    for case, s in summary.items():
+        print(f"{case:10s} {f(s['engine_tok_s']):>12s} {f(s['screen_tok_s']):>12s} "
+              f"{f(s['rate_ratio'], '.3f'):>6s}   {f(s['engine_ttft_ms']) + ' ms':>11s} "
+              f"{f(s['screen_ttft_ms']) + ' ms':>11s} {f(s['ttft_ratio'], '.2f'):>6s}   "
+              f"{f(s['engine_turn_s'], '.3f') + ' s':>11s} {f(s['app_turn_s'], '.3f') + ' s':>9s} "
+              f"{f(s['turn_ratio'], '.3f'):>6s}  {s['same_text']}")
+        print(f"{'':10s} (engine inside the app: {f(s['engine_in_app_tok_s'])} tok/s, TTFT "
+              f"{f(s['engine_in_app_ttft_ms'])} ms; prefilled {f(s['n_prefilled'], '.0f')} tokens; "
+              f"{f(s['n_generated'], '.0f')} generated)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", metavar="FILE", help="a .nanoqwen file (default: the bundled model)")
+    ap.add_argument("--backend", choices=["auto", "cuda", "reference"], default="auto")
+    ap.add_argument("--mode", choices=["graph", "eager"], default=None,
+                    help="decode mode (default: the backend's; the reference backend has eager)")
+    ap.add_argument("--tokens", type=int, default=256, help="max new tokens per turn")
+    ap.add_argument("--reps", type=int, default=5, help="measured repetitions (medians)")
+    ap.add_argument("--warmup", type=int, default=1, help="repetitions left out of the medians")
+    ap.add_argument("--width", type=int, default=120)
+    ap.add_argument("--height", type=int, default=40)
+    ap.add_argument("--load-timeout", type=float, default=600.0)
+    ap.add_argument("--turn-timeout", type=float, default=600.0)
+    ap.add_argument("--json", metavar="FILE", help="write the results (and every turn) here")
+    ap.add_argument("--quiet", action="store_true", help="no per-turn lines")
+    args = ap.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="bench_app-") as tmp:
+        # the app's settings and chat store live here, not in the user's own
+        os.environ["XDG_CONFIG_HOME"] = str(Path(tmp) / "config")
+        os.environ["XDG_DATA_HOME"] = str(Path(tmp) / "data")
+        os.environ.pop("NANOQWEN_FREEZE_PERF", None)
+        res = asyncio.run(run(args))
+    meta, turns = res["meta"], res["turns"]
+    summary = summarize(turns)
+    print_summary(meta, summary, args)
+    if args.json:
+        import torch
+        import textual
+
+        device = meta["device"]
+        if device == "cpu":
+            device = f"cpu: {cpu_name()}, {os.cpu_count()} cores"
+        doc = dict(
+            date=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            device=device, commit=git_commit(), model=meta["model"],
+            model_file=str(Path(args.model).resolve()) if args.model else "bundled",
+            backend=meta["backend"], mode=meta["mode"], tokens=args.tokens, reps=args.reps,
+            warmup=args.warmup, engine_shared_with_app=meta["engine_shared_with_app"],
+            torch_threads=torch.get_num_threads(), python=platform.python_version(),
+            torch=torch.__version__, textual=textual.__version__,
+            command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+            summary=summary,
+            turns=[{k: v for k, v in t.items() if k != "text"} | {"chars": len(t["text"])}
+                   for t in turns])
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
