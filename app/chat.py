@@ -27,7 +27,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Label, Markdown, ProgressBar
+from textual.widgets import Footer, Header, Label, ProgressBar
 
 from nanoqwen.engine.service import Batch, Failed, Finished, Note, ServiceEvent
 
@@ -218,7 +218,7 @@ class ChatScreen(Screen):
         box.scroll_end(animate=False)   # a new turn follows the stream again
         self._gen += 1
         self.reply = self.last_reply = _Streaming(self._gen, msg_id, widget,
-                                                  Markdown.get_stream(widget))
+                                                  AssistantMessage.get_stream(widget))
         self.perf.start_reply(t0)
         s = app.settings
         self._generate(self._gen, app.engine.submit(history, text, s.sampler_params(),

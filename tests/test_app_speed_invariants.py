@@ -20,11 +20,11 @@ import torch
 from textual.app import App
 from textual.containers import VerticalScroll
 from textual.highlight import HighlightTheme
-from textual.widgets import Markdown
 from textual.widgets._markdown import MarkdownFence
 
 from helpers import TINY_TIED, TINY_UNTIED, file_tensors, random_weights
-from nanoqwen.app.widgets import CHUNK_LINES, AssistantMessage, CodeFence, _StreamHighlighter
+from nanoqwen.app import widgets
+from nanoqwen.app.widgets import AssistantMessage, CodeFence, _StreamHighlighter
 from nanoqwen.engine.backends import reference
 from nanoqwen.engine.backends.reference import ReferenceBackend
 from nanoqwen.engine.sampling import SamplerParams
@@ -95,7 +95,8 @@ class Harness(App):
         yield VerticalScroll(id="box")
 
 
-def test_streamed_reply_renders_like_a_fresh_one_and_keeps_finished_chunks():
+def test_streamed_reply_renders_like_a_fresh_one_and_keeps_finished_chunks(monkeypatch):
+    monkeypatch.setattr(widgets, "PAINT_INTERVAL", 0.0)   # an append per write: many steps
     text = "Here is the code:\n\n```python\n" + SAMPLES["python"] + "```\n\nAnd more text.\n"
 
     async def run():
@@ -104,7 +105,7 @@ def test_streamed_reply_renders_like_a_fresh_one_and_keeps_finished_chunks():
             box = app.query_one("#box")
             streamed = AssistantMessage("", 1)
             await box.mount(streamed)
-            stream = Markdown.get_stream(streamed)
+            stream = AssistantMessage.get_stream(streamed)
             rnd = random.Random(0)
             i, seen = 0, {}
             while i < len(text):
@@ -143,6 +144,46 @@ def test_streamed_reply_renders_like_a_fresh_one_and_keeps_finished_chunks():
             assert a.size == b.size
             assert [s.text for s in a.render_lines(a.region.reset_offset)] == \
                    [s.text for s in b.render_lines(b.region.reset_offset)]
+
+    asyncio.run(run())
+
+
+class CountingMessage(AssistantMessage):
+    """The real widget, counting the appends its stream makes."""
+
+    appends: list
+
+    def append(self, markdown):
+        self.appends.append(markdown)
+        return super().append(markdown)
+
+
+@pytest.mark.parametrize("stop_after", [1, 2, 7, 30])
+def test_paced_stream_sends_the_first_text_at_once_joins_the_rest_and_flushes_on_stop(
+        monkeypatch, stop_after):
+    """With an interval that never passes in the test, the first write is appended at once,
+    every later one waits and goes out joined with the others when the stream stops; nothing
+    is lost or reordered, whenever stop() comes (mid-wait included)."""
+    monkeypatch.setattr(widgets, "PAINT_INTERVAL", 3600.0)
+    parts = [f"word{i} " + ("\n\n" if i % 5 == 4 else "") for i in range(stop_after)]
+
+    async def run():
+        app = Harness()
+        async with app.run_test() as pilot:
+            w = CountingMessage("", 1)
+            w.appends = []
+            await app.query_one("#box").mount(w)
+            stream = CountingMessage.get_stream(w)
+            await stream.write(parts[0])
+            await pilot.pause()
+            assert w.appends == [parts[0]] and w.source == parts[0]   # no wait for the first
+            for p in parts[1:]:
+                await stream.write(p)
+            await pilot.pause()
+            assert w.appends == [parts[0]]                            # the rest waits ...
+            await stream.stop()
+            assert w.source == "".join(parts)                         # ... and is all there
+            assert w.appends == [parts[0]] + (["".join(parts[1:])] if parts[1:] else [])
 
     asyncio.run(run())
 
