@@ -1,17 +1,24 @@
 """`nanoqwen bench`: prompt processing and token generation speed in llama-bench's terms.
 
-For each decode mode: `-r` timed repetitions (after one warm-up) of: empty cache, prefill
-`-p` random prompt ids, then `-n` greedy tokens (no stop ids). All times come from the
-backend's CUDA events (StepEvent.step_ms):
+    nanoqwen bench [--model FILE | --synthetic PRESET] [--backend auto|cuda|reference] ...
+
+For each decode mode of the backend: `-r` timed repetitions (after one warm-up) of: empty
+cache, prefill `-p` random prompt ids, then `-n` greedy tokens (no stop ids). All times are the
+backend's own per-step timing (StepEvent.step_ms: CUDA events on the GPU; on the reference
+backend the wall clock around each step of its compute thread, the consumer's time excluded):
   TTFT      the first event's step_ms: prefill of the prompt + the first sample
   pp t/s    p / TTFT (llama-bench's pp is prompt processing; our first sample adds ~0.1 ms)
   ms/token  mean decode step of a repetition (forward + sample + advance)
   tg t/s    1000 / ms/token
-  GB/s      (weight bytes per token + K/V bytes read at the mean context) / ms/token,
-            and its share of the H200's measured 4276 GB/s device copy bandwidth
+  GB/s      CUDA only: (weight bytes per token + K/V bytes read at the mean context) /
+            ms/token, and its share of the H200's measured 4276 GB/s device copy bandwidth
+            (the reference backend runs fp32 weights dequantized at load: no INT4 traffic)
 Each figure is the median over repetitions.
 
-`--synthetic PRESET` makes random weights directly on the GPU (no file, no CPU quantization).
+The model: `--model FILE` (default: the bundled model), loaded as `nanoqwen generate` loads it
+(engine/loader.py: "auto" is CUDA where it runs, else the reference backend on the CPU), or
+`--synthetic PRESET`: random weights made directly on the GPU (CUDA only; no file).
+`--json` prints the rows with source, backend, device, commit and date (benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ def _commit() -> str:
     try:
         from nanoqwen import REPO_ROOT
 
+        if not (REPO_ROOT / ".git").exists():  # an installed copy: no checkout to ask
+            return "unknown"
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=5)
         return out.stdout.strip() or "unknown"
@@ -77,9 +86,10 @@ def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
                       mode=mode, reps=reps)
         rows.append(dict(common, test=f"pp{n_prompt}", tokens_per_s=n_prompt / (t_ms * 1e-3),
                          ttft_ms=t_ms, ttft_all=ttft))
+        bw = {} if backend.name != "cuda" else dict(
+            gb_per_s=gbs, pct_of_copy_bw=100 * gbs / COPY_BANDWIDTH_GBS)
         rows.append(dict(common, test=f"tg{n_gen}", tokens_per_s=1e3 / d_ms, ms_per_token=d_ms,
-                         gb_per_s=gbs, pct_of_copy_bw=100 * gbs / COPY_BANDWIDTH_GBS,
-                         ms_per_token_all=mspt))
+                         **bw, ms_per_token_all=mspt))
     return rows
 
 
@@ -98,47 +108,86 @@ def format_table(rows: list[dict], size_bytes: int) -> str:
 
 
 def cli_bench(args) -> int:
+    from .cli import write_stdout
     from .config import ModelConfig
     from .errors import NanoqwenError
 
-    modes = [m.strip() for m in args.mode.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("graph", "eager")]
-    if not modes or bad:
-        raise NanoqwenError(f"--mode {args.mode!r}: use a comma list of graph, eager")
-    if args.backend == "reference":
-        raise NanoqwenError("bench measures the CUDA engine; --backend reference is not "
-                            "supported (use --backend cuda or auto)")
+    modes = None
+    if args.mode is not None:
+        modes = [m.strip() for m in args.mode.split(",") if m.strip()]
+        bad = [m for m in modes if m not in ("graph", "eager")]
+        if not modes or bad:
+            raise NanoqwenError(f"--mode {args.mode!r}: use a comma list of graph, eager")
     for name in ("n_prompt", "n_gen", "repetitions"):
         if getattr(args, name) < 1:
             raise NanoqwenError(f"--{name.replace('_', '-')} must be at least 1")
-    from .backends.cuda import CudaBackend
 
     max_context = args.n_prompt + args.n_gen + 16
     t0 = time.perf_counter()
+    loaded = None
     if args.synthetic:
+        if args.backend == "reference":
+            raise NanoqwenError("--synthetic makes its weights on the GPU (CUDA backend only); "
+                                "for the reference backend bench a file: --model FILE (or "
+                                "`nanoqwen convert --synthetic PRESET -o FILE` first)")
         cfg = ModelConfig.from_name(args.synthetic)
         if max_context > cfg.max_position_embeddings:
             raise NanoqwenError(f"-p + -n = {max_context - 16} exceeds the model's context "
                                 f"{cfg.max_position_embeddings}")
+        from .backends.cuda import CudaBackend
+
         backend = CudaBackend.synthetic(cfg, seed=0, max_context=max_context)
         source = f"synthetic {args.synthetic} (random weights, std 0.02)"
+        size = backend._weight_bytes()
     else:
+        from . import loader
         from .format import open_model
 
-        mf = open_model(args.model)
-        backend = CudaBackend.from_model_file(mf, max_context=min(
-            max_context, mf.config.max_position_embeddings))
-        source = str(args.model)
-    load_s = time.perf_counter() - t0
-    rows = run_bench(backend, args.n_prompt, args.n_gen, args.repetitions, modes)
-    size = backend._weight_bytes()
-    if args.json:
-        print(json.dumps(dict(source=source, commit=_commit(), load_s=load_s,
-                              prefill_weights=backend.prefill_weights,
-                              date=time.strftime("%Y-%m-%d"), rows=rows), indent=2))
-    else:
-        print(f"# {source} on {backend.device_name}, commit {_commit()}, "
-              f"{time.strftime('%Y-%m-%d')}, load {load_s:.1f} s, prefill weights "
-              f"{backend.prefill_weights}, medians of {args.repetitions} reps", file=sys.stdout)
-        print(format_table(rows, size))
+        path = args.model or loader.default_model_path()
+        with open_model(path) as mf:  # the header only: the context the model allows
+            limit = mf.config.max_position_embeddings
+        if args.n_prompt + args.n_gen + 1 > limit:
+            raise NanoqwenError(f"-p + -n = {args.n_prompt + args.n_gen} exceeds the model's "
+                                f"context {limit}")
+        loaded = loader.load(path, backend=args.backend, max_context=min(max_context, limit))
+        backend = loaded.backend
+        source = str(path)
+        size = sum(t.nbytes for t in loaded.model_file.tensors.values())
+        if loaded.fallback_reason:
+            print(f"backend: reference ({loaded.fallback_reason})", file=sys.stderr)
+    try:
+        load_s = time.perf_counter() - t0
+        if modes is None:
+            modes = list(backend.modes)
+        missing = [m for m in modes if m not in backend.modes]
+        if missing:
+            raise NanoqwenError(f"--mode {','.join(missing)}: the {backend.name} backend has "
+                                f"only {', '.join(backend.modes)}")
+        rows = run_bench(backend, args.n_prompt, args.n_gen, args.repetitions, modes)
+        prefill = getattr(backend, "prefill_weights", None)
+        if args.json:
+            write_stdout(json.dumps(dict(source=source, backend=backend.name,
+                                  device=backend.device_name, commit=_commit(), load_s=load_s,
+                                  prefill_weights=prefill, weight_bytes=size,
+                                  n_prompt=args.n_prompt, n_gen=args.n_gen,
+                                  threads=_threads(backend), date=time.strftime("%Y-%m-%d"),
+                                  rows=rows), indent=2) + "\n")
+        else:
+            write_stdout(f"# {source} on {backend.device_name} ({backend.name} backend), "
+                         f"commit {_commit()}, {time.strftime('%Y-%m-%d')}, load {load_s:.1f} s"
+                         + (f", prefill weights {prefill}" if prefill else "")
+                         + f", medians of {args.repetitions} reps\n")
+            write_stdout(format_table(rows, size) + "\n")
+    finally:
+        if loaded is not None:
+            loaded.close()
     return 0
+
+
+def _threads(backend) -> int | None:
+    """torch's intra-op threads when the backend computes on the CPU (what the figure used)."""
+    if backend.device_name != "cpu":
+        return None
+    import torch
+
+    return torch.get_num_threads()

@@ -1,21 +1,62 @@
 """`nanoqwen`: the offline commands (convert, info, generate, bench).
 
 Argument parsing lives here; each command's work lives in its module, imported lazily so
-`nanoqwen --help` stays fast. User errors (NanoqwenError) go to stderr with exit code 1;
-Ctrl-C exits 130.
+`nanoqwen --help` stays fast. Exit statuses, as a Unix tool's:
+  0    done
+  1    a user error (NanoqwenError: one line on stderr, "nanoqwen CMD: error: ..."), including
+       stdout that cannot be written (a full disk: "cannot write to stdout: No space left on
+       device")
+  130  Ctrl-C
+  141  stdout was closed by the reader (`nanoqwen generate ... | head -c 20`): the command
+       stops at once, quietly, with 128 + SIGPIPE, the status a shell reports for a C tool
+       killed by SIGPIPE (`yes | head`). Python ignores SIGPIPE, so the write raises
+       BrokenPipeError instead; we catch it, point stdout at /dev/null (so the interpreter's
+       final flush cannot fail again) and return 141. We chose 141 over the 1 of Python's
+       documented recipe so that `set -o pipefail` scripts see the same status as from any
+       other tool, and a real failure (1) stays distinguishable from a reader that had enough.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .errors import NanoqwenError
 
+EXIT_SIGPIPE = 128 + 13
+
+
+class OutputError(NanoqwenError):
+    """stdout cannot be written (a full disk, an I/O error); a closed pipe is not this."""
+
+
+def write_stdout(text: str) -> None:
+    """Write and flush `text`; BrokenPipeError passes through (main() ends quietly with 141),
+    any other OSError becomes one OutputError line."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise OutputError(f"cannot write to stdout: {e.strerror or e}") from e
+
+
+def _stdout_to_devnull() -> None:
+    """After a failed write: what is still buffered can never be written; send it (and the
+    interpreter's flush at exit) to /dev/null instead of a second error."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):
+        pass  # stdout is not a real file (a test's capture): nothing to protect
+
 
 def add_sampler_args(p: argparse.ArgumentParser) -> None:
     """llama.cpp-style sampler flags; defaults None mean "the model's / llama.cpp's default"."""
-    p.add_argument("--temp", type=float, default=None, help="temperature (0 = greedy)")
+    p.add_argument("--temp", type=float, default=None, help="temperature, >= 0 (0 = greedy)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--min-p", type=float, default=None)
@@ -52,13 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampler_args(g)
 
     b = sub.add_parser("bench", help="pp/tg benchmark in llama-bench's terms")
-    src = b.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", "-m")
-    src.add_argument("--synthetic", metavar="PRESET")
+    src = b.add_mutually_exclusive_group()
+    src.add_argument("--model", "-m", help="a .nanoqwen file (default: the bundled model)")
+    src.add_argument("--synthetic", metavar="PRESET", help="random weights on the GPU (CUDA)")
     b.add_argument("-p", "--n-prompt", type=int, default=512)
     b.add_argument("-n", "--n-gen", type=int, default=128)
     b.add_argument("-r", "--repetitions", type=int, default=5)
-    b.add_argument("--mode", default="graph,eager", help="comma list of graph, eager")
+    b.add_argument("--mode", default=None,
+                   help="comma list of graph, eager (default: every mode the backend has)")
     b.add_argument("--backend", choices=["auto", "cuda", "reference"], default="auto")
     b.add_argument("--json", action="store_true")
     return ap
@@ -75,8 +117,15 @@ def main(argv: list[str] | None = None) -> int:
             from .cli_generate import cli_generate as run
         else:
             from .bench import cli_bench as run
-        return run(args) or 0
+        rc = run(args) or 0
+        write_stdout("")  # flush what print() buffered: a full disk shows here, as one line
+        return rc
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return EXIT_SIGPIPE
     except NanoqwenError as e:
+        if isinstance(e, OutputError):
+            _stdout_to_devnull()
         print(f"nanoqwen {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -102,11 +102,20 @@ class ModelConfig:
         """From a Hugging Face Qwen2 `config.json` (a dict or a path to the file)."""
         if not isinstance(hf, dict):
             hf = json.loads(Path(hf).read_text())
+        # transformers builds the model from model_type (AutoConfig's key); `architectures`
+        # only names the head class. So a "llama" config is Llama (no q/k/v bias) whatever
+        # its architectures say.
         archs = hf.get("architectures") or []
         model_type = hf.get("model_type")
-        if model_type != "qwen2" and "Qwen2ForCausalLM" not in archs:
-            raise ConfigError(f"model_type={model_type!r} architectures={archs!r}: "
-                              "only Qwen2 (Qwen2ForCausalLM) checkpoints are supported")
+        if model_type != "qwen2":
+            why = (f" (architectures={archs!r} does not decide it: transformers reads this "
+                   f"checkpoint as {model_type!r})" if model_type and archs else "")
+            raise ConfigError(f"model_type={model_type!r} is not supported: only model_type "
+                              f"'qwen2' with architectures ['Qwen2ForCausalLM'] (Qwen2, "
+                              f"Qwen2.5, Qwen2.5-Coder){why}")
+        if archs and "Qwen2ForCausalLM" not in archs:
+            raise ConfigError(f"architectures={archs!r} is not supported: only "
+                              "Qwen2ForCausalLM (a causal LM head)")
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act={hf['hidden_act']!r} is not supported (only silu)")
         rs = hf.get("rope_scaling")
@@ -123,7 +132,8 @@ class ModelConfig:
         if rope_theta is None:  # transformers 5 nests it under rope_parameters
             rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
         return cls(
-            name=name or hf.get("_name_or_path") or "qwen2",
+            name=name or str(hf.get("_name_or_path") or "qwen2").rstrip("/").split("/")[-1]
+            or "qwen2",
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],

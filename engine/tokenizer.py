@@ -48,6 +48,32 @@ _ROLES = ("system", "user", "assistant")
 _REPLACEMENT = "\ufffd"
 
 
+def check_token_ids(tokenizer_json: str, vocab_size: int, where: str) -> None:
+    """Refuse a tokenizer.json whose ids reach past a model's vocabulary (embedding rows
+    0..vocab_size-1): it belongs to another model, and an id >= vocab_size would index past
+    the embedding at generation time. Exact: the largest id of the model's vocab and of the
+    added tokens, read from the JSON (FormatError naming `where` and the token)."""
+    try:
+        tok = json.loads(tokenizer_json)
+    except json.JSONDecodeError as e:
+        raise FormatError(f"{where}: not valid JSON: {e}") from e
+    best: tuple[int, str] = (-1, "")
+    vocab = (tok.get("model") or {}).get("vocab") if isinstance(tok, dict) else None
+    if isinstance(vocab, dict):
+        for text, i in vocab.items():
+            if isinstance(i, int) and i > best[0]:
+                best = (i, text)
+    elif isinstance(vocab, list):  # Unigram: [[piece, score], ...], ids are positions
+        best = (len(vocab) - 1, str(vocab[-1][0]) if vocab else "")
+    for t in (tok.get("added_tokens") or []) if isinstance(tok, dict) else []:
+        if isinstance(t, dict) and isinstance(t.get("id"), int) and t["id"] > best[0]:
+            best = (t["id"], str(t.get("content")))
+    if best[0] >= vocab_size:
+        raise FormatError(f"{where}: token id {best[0]} ({best[1]!r}) is outside the model's "
+                          f"vocabulary of {vocab_size} (vocab_size); this tokenizer belongs to "
+                          "another model")
+
+
 class ChatTemplateError(NanoqwenError, ValueError):
     """A chat template that does not compile, raises, or a conversation it cannot render."""
 
@@ -107,7 +133,15 @@ class Tokenizer:
             raise FormatError(f"{mf.path}: the model file carries no tokenizer; convert it again "
                               f"with a tokenizer.json (nanoqwen convert ... --tokenizer FILE)")
         special = mf.special_tokens or {}
-        return cls(mf.tokenizer_json, mf.chat_template, special.get("eos_token_ids"))
+        tok = cls(mf.tokenizer_json, mf.chat_template, special.get("eos_token_ids"))
+        config = getattr(mf, "config", None)
+        # files converted before the converter checked this: n distinct ids > vocab_size
+        # means some id is past the embedding (the exact check is check_token_ids)
+        if config is not None and tok.vocab_size > config.vocab_size:
+            raise FormatError(f"{mf.path}: the embedded tokenizer has {tok.vocab_size} tokens, "
+                              f"more than the model's vocabulary of {config.vocab_size}; "
+                              "convert it again with the model's own tokenizer")
+        return tok
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text`; special tokens written in the text (e.g. <|im_start|>) are recognised.

@@ -131,3 +131,101 @@ def test_loader_auto_falls_back_with_a_reason(tiny_model_path):
     finally:
         eng.close()
     assert default_model_path().parts[-3:] == ("assets", "tiny", "tiny.nanoqwen")
+
+
+# --- a Unix tool's edges: closed pipe, full disk, bad --temp, corrupt file ---------------------
+def nanoqwen_cmd(*args: str) -> str:
+    import shlex
+    return " ".join(shlex.quote(a) for a in (sys.executable, "-m", "nanoqwen.engine.cli", *args))
+
+
+def test_closed_pipe_ends_quietly_with_141(tiny_model_path):
+    # `| head -c 20` closes the pipe after 20 bytes; the reply (400 tokens) is far longer
+    cmd = nanoqwen_cmd("generate", "-m", str(tiny_model_path), "-p", PROMPT, "--temp", "0",
+                       "-n", "400")
+    r = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd} | head -c 20"],
+                       capture_output=True, timeout=120)
+    assert len(session_text(tiny_model_path, PROMPT, 400).encode()) > 200  # long enough
+    assert r.returncode == 141, r.stderr.decode()
+    assert len(r.stdout) == 20 and r.stderr == b""  # no traceback, no "Exception ignored"
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("cmd", ["generate", "info"])
+def test_full_disk_is_one_error_line(tiny_model_path, cmd):
+    args = (["generate", "-m", str(tiny_model_path), "-p", PROMPT, "--temp", "0", "-n", "16"]
+            if cmd == "generate" else ["info", str(tiny_model_path)])
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "nanoqwen.engine.cli", *args], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr == f"nanoqwen {cmd}: error: cannot write to stdout: No space left on device\n"
+
+
+@pytest.mark.parametrize("value", ["-1", "-0.5", "nan", "inf"])
+def test_negative_temperature_is_refused_with_the_range(tiny_model_path, capsys, value):
+    assert main(["generate", "-m", str(tiny_model_path), "-p", "hi", "--temp", value]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"nanoqwen generate: error: --temp {float(value):g}: the temperature must "
+                   "be 0 (greedy) or a finite number > 0\n")
+
+
+def test_temperature_zero_is_greedy(tiny_model_path, capsys):
+    assert main(["generate", "-m", str(tiny_model_path), "-p", PROMPT, "--temp", "0",
+                 "--seed", "1", "-n", "12"]) == 0
+    assert capsys.readouterr().out == session_text(tiny_model_path, PROMPT, 12)
+
+
+def test_a_flipped_byte_inside_a_tensor_stops_the_load(tiny_model_path, tmp_path, capsys):
+    from nanoqwen.engine.format import open_model
+    bad = tmp_path / "bad.nanoqwen"
+    data = bytearray(tiny_model_path.read_bytes())
+    with open_model(tiny_model_path) as mf:
+        t = mf.tensors["model.layers.1.mlp.up_proj.qweight"]
+    data[t.offset + t.nbytes // 2] ^= 0x01
+    bad.write_bytes(bytes(data))
+    assert main(["generate", "-m", str(bad), "-p", PROMPT, "-n", "4"]) == 1
+    cap = capsys.readouterr()
+    assert cap.out == "" and len(cap.err.splitlines()) == 1
+    assert "checksum mismatch in tensor 'model.layers.1.mlp.up_proj.qweight'" in cap.err
+    assert "the file is corrupt" in cap.err
+    # the app opens models through the same service: the same error, no model
+    from nanoqwen.engine import EngineService
+    from nanoqwen.engine.errors import FormatError
+    with pytest.raises(FormatError, match="checksum mismatch"):
+        EngineService.open(bad, backend="reference")
+
+
+# --- nanoqwen bench on the reference backend ---------------------------------------------------
+def test_bench_reference_backend(tiny_model_path, capsys):
+    import json
+    assert main(["bench", "--backend", "reference", "-m", str(tiny_model_path), "-p", "16",
+                 "-n", "8", "-r", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["backend"] == "reference" and out["device"] == "cpu" and out["threads"] >= 1
+    assert out["source"] == str(tiny_model_path) and out["n_prompt"] == 16
+    pp, tg = out["rows"]
+    assert pp["test"] == "pp16" and tg["test"] == "tg8" and pp["mode"] == tg["mode"] == "eager"
+    assert pp["tokens_per_s"] > 0 and len(pp["ttft_all"]) == 2
+    assert tg["tokens_per_s"] == pytest.approx(1e3 / tg["ms_per_token"])
+    assert "gb_per_s" not in tg  # INT4 bandwidth means nothing for fp32 weights on the CPU
+
+
+def test_bench_defaults_to_the_bundled_model(capsys):
+    if not default_model_path().is_file():
+        pytest.skip("the bundled model is absent")
+    assert main(["bench", "--backend", "reference", "-p", "8", "-n", "4", "-r", "1"]) == 0
+    out = capsys.readouterr().out
+    assert str(default_model_path()) in out and "| tg4 |" in out and "reference" in out
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--mode", "graph"], "--mode graph: the reference backend has only eager"),
+    (["--synthetic", "7b"], "--synthetic makes its weights on the GPU"),
+    (["-p", "4000"], "exceeds the model's context 4096"),
+])
+def test_bench_reference_refusals(tiny_model_path, capsys, args, says):
+    model = [] if "--synthetic" in args else ["-m", str(tiny_model_path)]
+    assert main(["bench", "--backend", "reference", *model, *args]) == 1
+    err = capsys.readouterr().err
+    assert says in err and len(err.splitlines()) == 1, err

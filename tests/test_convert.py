@@ -12,6 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import helpers
+from nanoqwen.engine import convert
 from nanoqwen.engine.cli import main
 from nanoqwen.engine.config import ModelConfig
 from nanoqwen.engine.convert import convert_hf, synthetic
@@ -21,7 +23,6 @@ from nanoqwen.engine.quant import quantize
 
 transformers = pytest.importorskip("transformers")
 
-SHARED_TOKENIZER = Path(__file__).resolve().parents[1] / ".." / "shared" / "qwen2-tokenizer" / "tokenizer.json"
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 VARIANTS = {  # name: (Qwen2Config kwargs, dtype saved)
@@ -33,13 +34,8 @@ VARIANTS = {  # name: (Qwen2Config kwargs, dtype saved)
 
 
 def tokenizer_text() -> str:
-    if SHARED_TOKENIZER.is_file():
-        return SHARED_TOKENIZER.read_text(encoding="utf-8")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(50)} | {"[UNK]": 50}, "[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    return tok.to_str()
+    """The tiny byte-level BPE tokenizer (400 ids): it fits the test models' vocabularies."""
+    return helpers.tiny_tokenizer_json()
 
 
 def token_id(text: str, token: str) -> int:
@@ -146,14 +142,19 @@ def test_missing_config(tmp_path, checkpoints):
     assert not (tmp_path / "m.nanoqwen").exists()
 
 
-def test_not_qwen2(tmp_path, checkpoints):
+@pytest.mark.parametrize("archs", [["LlamaForCausalLM"], ["Qwen2ForCausalLM"]])
+def test_model_type_decides_the_architecture(tmp_path, checkpoints, capsys, archs):
+    # transformers builds a "llama" config as Llama (no q/k/v bias) whatever `architectures`
+    # says; so do we, and refuse it saying what is supported
     d = tmp_path / "hf"
     shutil.copytree(checkpoints["tied-hd64-fp32"], d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    cfg.update(model_type="llama", architectures=archs)
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(NanoqwenError, match=r"config.json.*only Qwen2"):
-        convert_hf(d, tmp_path / "m.nanoqwen")
+    assert type(transformers.AutoConfig.from_pretrained(d)).__name__ == "LlamaConfig"
+    err = refused(d, tmp_path / "out", capsys)
+    assert "config.json: model_type='llama' is not supported: only model_type 'qwen2'" in err
+    assert "Qwen2ForCausalLM" in err
 
 
 def test_missing_tensor(tmp_path, checkpoints):
@@ -209,7 +210,7 @@ def test_fp16_overflow_and_foreign_tensor(tmp_path):
         convert_hf(d, tmp_path / "m.nanoqwen")
 
 
-TINY_SYN = ModelConfig(name="syn", vocab_size=300, hidden_size=256, intermediate_size=384,
+TINY_SYN = ModelConfig(name="syn", vocab_size=512, hidden_size=256, intermediate_size=384,
                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
 
 
@@ -274,3 +275,169 @@ def test_cli_convert_argument_errors(tmp_path, capsys):
                  "-o", str(tmp_path / "x")]) == 1
     assert "cannot read --tokenizer" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+# --- bad checkpoints: one line naming the file or field, nothing left at -o ------------------
+def refused(d: Path, out_dir: Path, capsys) -> str:
+    """Run `nanoqwen convert d -o out_dir/m.nanoqwen`; assert it fails with exactly one line
+    on stderr and leaves nothing (no file, no temp file) in out_dir; return that line."""
+    out_dir.mkdir(exist_ok=True)
+    capsys.readouterr()
+    assert main(["convert", str(d), "-o", str(out_dir / "m.nanoqwen")]) == 1
+    cap = capsys.readouterr()
+    lines = cap.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nanoqwen convert: error: "), cap.err
+    assert "Traceback" not in cap.err and cap.out == ""
+    assert list(out_dir.iterdir()) == []
+    return lines[0]
+
+
+@pytest.fixture
+def bf16_copy(tmp_path, checkpoints) -> Path:
+    d = tmp_path / "hf"
+    shutil.copytree(checkpoints["untied-hd128-bf16"], d)
+    return d
+
+
+def test_truncated_shard(tmp_path, bf16_copy, capsys):
+    shard = sorted(bf16_copy.glob("model-*.safetensors"))[1]
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size - 1000)
+    with pytest.raises(Exception) as e:  # what the safetensors library itself says
+        safe_open(shard, framework="pt")
+    assert type(e.value).__name__ == "SafetensorError"
+    err = refused(bf16_copy, tmp_path / "out", capsys)
+    assert f"{shard} is truncated: its header describes {size:,} bytes, the file has " \
+        f"{size - 1000:,} (1,000 missing)" in err
+
+
+@pytest.mark.parametrize("garbage, says", [
+    (lambda b: b"\xff" * 8 + b[8:], "its first 8 bytes give a header of 18,446,744,073,709,551,615"),
+    (lambda b: b[:8] + b"#" * 40 + b[48:], "garbage safetensors header (not UTF-8 JSON"),
+    (lambda b: b[:8] + json.dumps([1]).encode().ljust(int.from_bytes(b[:8], "little")) +
+     b[8 + int.from_bytes(b[:8], "little"):], "garbage safetensors header (a JSON list"),
+])
+def test_garbage_shard_header(tmp_path, bf16_copy, capsys, garbage, says):
+    shard = sorted(bf16_copy.glob("model-*.safetensors"))[0]
+    shard.write_bytes(garbage(shard.read_bytes()))
+    err = refused(bf16_copy, tmp_path / "out", capsys)
+    assert f"{shard}: " in err and says in err, err
+
+
+def test_index_names_a_tensor_its_shard_lacks(tmp_path, bf16_copy, capsys):
+    index = bf16_copy / "model.safetensors.index.json"
+    idx = json.loads(index.read_text())
+    name = "model.layers.1.mlp.down_proj.weight"
+    shards = sorted(set(idx["weight_map"].values()))
+    wrong = next(s for s in shards if s != idx["weight_map"][name])
+    idx["weight_map"][name] = wrong
+    index.write_text(json.dumps(idx))
+    err = refused(bf16_copy, tmp_path / "out", capsys)
+    assert f"{index}: weight_map puts tensor '{name}' in {wrong}, which does not hold it" in err
+
+
+def big_tokenizer(n: int) -> str:
+    """A word-level tokenizer.json with ids 0..n-1 (the last one an added special token)."""
+    from tokenizers import Tokenizer, models
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(n - 1)}, "w0"))
+    tok.add_special_tokens(["<|im_end|>"])
+    return tok.to_str()
+
+
+def test_tokenizer_larger_than_the_vocabulary(tmp_path, bf16_copy, capsys):
+    (bf16_copy / "tokenizer.json").write_text(big_tokenizer(1200))  # the model has 1000 rows
+    err = refused(bf16_copy, tmp_path / "out", capsys)
+    assert (f"{bf16_copy / 'tokenizer.json'}: token id 1199 ('<|im_end|>') is outside the "
+            "model's vocabulary of 1000") in err
+    # ids up to vocab_size - 1 fit
+    (bf16_copy / "tokenizer.json").write_text(big_tokenizer(1000))
+    convert_hf(bf16_copy, tmp_path / "ok.nanoqwen")
+
+
+def test_stop_id_outside_the_vocabulary(tmp_path, bf16_copy, capsys):
+    gen = json.loads((bf16_copy / "generation_config.json").read_text())
+    gen["eos_token_id"] = [2, 151645]  # a Qwen id in a 1000-token model
+    (bf16_copy / "generation_config.json").write_text(json.dumps(gen))
+    err = refused(bf16_copy, tmp_path / "out", capsys)
+    assert "eos_token_id 151645" in err and "vocabulary of 1000" in err
+
+
+def test_synthetic_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path):
+    with pytest.raises(FormatError, match="token id 599 .* vocabulary of 512"):
+        synthetic(TINY_SYN, tmp_path / "s.nanoqwen", tokenizer_json=big_tokenizer(600))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_loading_refuses_a_file_whose_tokenizer_outgrows_the_model(tmp_path):
+    # a file written without the converter's check (write_model itself does not look)
+    from nanoqwen.engine.format import write_model
+    from nanoqwen.engine.tokenizer import Tokenizer
+    cfg = helpers.TINY_UNTIED
+    path = tmp_path / "m.nanoqwen"
+    write_model(path, cfg, helpers.file_tensors(cfg, helpers.random_weights(cfg)).items(),
+                tokenizer_json=big_tokenizer(600), special_tokens={"eos_token_ids": [599]})
+    with open_model(path) as mf, pytest.raises(FormatError, match="600 tokens, more than the "
+                                                                  "model's vocabulary of 512"):
+        Tokenizer.from_model_file(mf)
+
+
+# --- how the converter reads: names, blocks, shards ------------------------------------------
+def test_name_from_the_hugging_face_cache(tmp_path, checkpoints):
+    # the layout huggingface_hub writes: snapshots/<commit> holds symlinks into blobs/
+    repo = tmp_path / "hub" / "models--Qwen--Qwen2.5-Coder-7B-Instruct"
+    snap = repo / "snapshots" / ("0123456789abcdef" * 3)[:40]
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in checkpoints["tied-hd64-fp32"].iterdir():
+        blob = repo / "blobs" / f"{abs(hash(f.name)):x}"
+        shutil.copy(f, blob)
+        (snap / f.name).symlink_to(blob)
+    cfg = json.loads((snap / "config.json").read_text())
+    assert "_name_or_path" not in cfg  # save_pretrained does not write it: the path must say
+    assert convert_hf(snap, tmp_path / "m.nanoqwen").name == "Qwen2.5-Coder-7B-Instruct"
+    with open_model(tmp_path / "m.nanoqwen") as mf:
+        assert mf.config.name == "Qwen2.5-Coder-7B-Instruct"
+
+
+@pytest.mark.parametrize("path, cfg, name", [
+    ("/c/models--Qwen--Qwen2.5-Coder-1.5B/snapshots/" + "a" * 40, {"_name_or_path": "x/y"},
+     "Qwen2.5-Coder-1.5B"),
+    ("/c/models--gpt2/snapshots/" + "b" * 40 + "/sub", {}, "gpt2"),
+    ("/m/" + "c" * 40, {"_name_or_path": "Qwen/Qwen2.5-Coder-3B-Instruct"},
+     "Qwen2.5-Coder-3B-Instruct"),
+    ("/m/" + "c" * 40, {"_name_or_path": "/scratch/" + "d" * 40 + "/"}, "qwen2"),
+    ("/m/my-finetune", {}, "my-finetune"),
+    ("/m/my-finetune", {"_name_or_path": ""}, "my-finetune"),
+])
+def test_model_name_rules(path, cfg, name):
+    assert convert.model_name(Path(path), cfg) == name
+
+
+def test_row_blocks_do_not_change_a_byte(tmp_path, checkpoints, monkeypatch):
+    d = checkpoints["untied-hd128-bf16"]
+    convert_hf(d, tmp_path / "a.nanoqwen")
+    monkeypatch.setattr(convert, "BLOCK_ELEMS", 1000)  # 3 rows of 256 (or 1 of 384) a block
+    convert_hf(d, tmp_path / "b.nanoqwen")
+    assert (tmp_path / "a.nanoqwen").read_bytes() == (tmp_path / "b.nanoqwen").read_bytes()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc")
+def test_shards_are_read_one_at_a_time_and_never_mapped(tmp_path, checkpoints):
+    import os
+    d = checkpoints["untied-hd128-bf16"]
+    seen = []
+
+    def progress(done, total, what):
+        fds = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except FileNotFoundError:  # listdir's own descriptor, closed by now
+                pass
+        maps = Path("/proc/self/maps").read_text()
+        seen.append((sum(f.endswith(".safetensors") for f in fds), ".safetensors" in maps))
+
+    convert_hf(d, tmp_path / "m.nanoqwen", progress=progress)
+    assert len(seen) == len(expected_tensors(convert_hf(d, tmp_path / "n.nanoqwen")))
+    assert max(n for n, _ in seen) == 1 and not any(m for _, m in seen)

@@ -262,6 +262,23 @@ def test_checksum_mismatch(good):
     assert f"{info.offset}..{info.offset + info.nbytes}" in str(e.value)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_threaded_verify_names_the_first_bad_tensor_in_file_order(good, threads):
+    with open_model(good) as mf:
+        late = mf.tensors["model.layers.1.mlp.down_proj.qweight"]
+        early = mf.tensors["model.layers.0.self_attn.q_proj.bias"]
+        calls = []
+        mf.verify(threads=threads, progress=lambda d, t, n: calls.append((d, t)))
+        total = sum(t.nbytes for t in mf.tensors.values())
+    assert calls[-1] == (total, total) and [d for d, _ in calls] == sorted(d for d, _ in calls)
+    data = bytearray(good.read_bytes())
+    data[late.offset] ^= 1
+    data[early.offset + early.nbytes - 1] ^= 1
+    good.write_bytes(bytes(data))
+    with open_model(good) as mf, pytest.raises(FormatError, match="q_proj.bias"):
+        mf.verify(threads=threads)
+
+
 def test_crash_during_write_leaves_nothing(tmp_path):
     p = tmp_path / "m.nanoqwen"
     write(p, seed=1)
