@@ -6,8 +6,8 @@ sources' bytes, the flags and the torch/CUDA versions: a second start (or a seco
 finds the objects there and only loads the library. The library registers the
 `torch.ops.nanoqwen.*` ops (csrc/bindings.cpp); engine/ops.py wraps them.
 
-Every way this can fail (no CUDA device, no nvcc, a compile error, a missing csrc/ in a
-non-editable install) raises BackendUnavailable with a message that says which, so the
+Every way this can fail (no CUDA device, no nvcc, a compile error, an installed copy whose
+package data lacks csrc/) raises BackendUnavailable with a message that says which, so the
 loader can fall back to the reference backend and tell the user why.
 
 NANOQWEN_DEBUG=1 adds `-lineinfo -Xptxas -v` (register/spill report in the build log).
@@ -59,6 +59,8 @@ _loaded: str | None = None
 
 
 def csrc_dir() -> Path:
+    """The CUDA sources: NANOQWEN_CSRC if set, else the checkout's csrc/, or in an installed
+    copy the package data at site-packages/nanoqwen/csrc (nanoqwen.REPO_ROOT says which)."""
     from nanoqwen import REPO_ROOT
 
     return Path(os.environ.get("NANOQWEN_CSRC", REPO_ROOT / "csrc"))
@@ -112,7 +114,8 @@ def _check_prerequisites() -> None:
     missing = [n for n in SOURCES + HEADERS if not (src / n).is_file()]
     if missing:
         raise BackendUnavailable(f"CUDA sources missing from {src}: {', '.join(missing)} "
-                                 "(install nanoqwen editable from a checkout to build them)")
+                                 "(a broken install? reinstall nanoqwen, or unset "
+                                 "NANOQWEN_CSRC if it points elsewhere)")
     from torch.utils import cpp_extension
 
     nvcc = None
