@@ -20,8 +20,9 @@ import math
 import os
 import queue
 import threading
+import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..kv_cache import KVCache
 from ..quant import dequantize
-from .base import Backend, ModelFileTensors
+from .base import Backend, ModelFileTensors, StepEvent
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -93,16 +94,6 @@ if hasattr(os, "register_at_fork"):
 
 def _inline(fn: Callable, *args):
     return fn(*args)
-
-
-class _CalledSampler:
-    """A Sampler whose `sample` runs through `call` (the compute thread)."""
-
-    def __init__(self, sampler, call: Callable) -> None:
-        self._sampler, self._call = sampler, call
-
-    def sample(self, logits: torch.Tensor, history) -> int:
-        return self._call(self._sampler.sample, logits, history)
 
 
 @dataclass
@@ -278,6 +269,7 @@ class ReferenceBackend(Backend):
         # CPU work runs on the process's one compute thread (see _ComputeThread); on a CUDA
         # device the caller's thread keeps it (its current stream is thread-local).
         self._call = _COMPUTE.call if device.type == "cpu" else _inline
+        self._cache_lock = threading.RLock()
         self._call(self._load, tensors, progress)
         self.cache = self._call(KVCache, config.num_hidden_layers, config.num_key_value_heads,
                                 config.head_dim, max_context, kv_dtype or dtype, device)
@@ -333,21 +325,44 @@ class ReferenceBackend(Backend):
         return self._call(self._run, tokens, pos, False)
 
     def _truncate(self, n: int) -> None:
-        # on the compute thread too: after a forward the caller stopped waiting for
-        # (KeyboardInterrupt), never while it still writes the cache
-        self._call(self.cache.rollback, n)
+        # No hop to the compute thread (it may be waiting for the GIL behind a busy UI); the
+        # lock orders it after a forward still running for a caller that stopped waiting
+        # (KeyboardInterrupt), so that forward cannot set the length back afterwards.
+        with self._cache_lock:
+            self.cache.rollback(n)
 
-    def generate(self, new_tokens, params, max_new_tokens: int,
-                 stop_ids: frozenset[int] = frozenset(), cancel: threading.Event | None = None):
-        """Backend.generate, with the sampler's ops on the compute thread as well."""
-        from ..sampling import Sampler
+    def _generate(self, new_tokens: list[int], sampler, max_new_tokens: int,
+                  stop_ids: frozenset[int], cancel: threading.Event | None
+                  ) -> Iterator[StepEvent]:
+        """Backend._generate with each step (forward + sample) as one call on the compute
+        thread: one GIL hand-off each way per token instead of two, and the sampler's ops
+        in the same OpenMP team. The same loop, so the same contract (docs/INTERFACES.md)."""
+        if self._call is _inline:
+            yield from super()._generate(new_tokens, sampler, max_new_tokens, stop_ids, cancel)
+            return
+        if cancel is not None and cancel.is_set():
+            return
 
-        new_tokens = self.prepare_generate(new_tokens, params, max_new_tokens)
-        return self._generate(new_tokens, _CalledSampler(Sampler(params), self._call),
-                              max_new_tokens, frozenset(stop_ids), cancel)
+        def step(tokens: list[int]) -> tuple[int, float]:
+            t0 = time.perf_counter()
+            logits = self.forward(tokens)
+            return sampler.sample(logits, self.kv_tokens), (time.perf_counter() - t0) * 1e3
+
+        token, ms = self._call(step, new_tokens)
+        for i in range(max_new_tokens):
+            yield StepEvent(token, ms, i == 0)
+            if (token in stop_ids or i + 1 == max_new_tokens
+                    or len(self.kv_tokens) >= self.max_context
+                    or (cancel is not None and cancel.is_set())):
+                return
+            token, ms = self._call(step, [token])   # forwarded only once the consumer asks
 
     @torch.inference_mode()
     def _run(self, tokens: list[int], pos0: int, all_logits: bool) -> torch.Tensor:
+        with self._cache_lock:
+            return self._run_locked(tokens, pos0, all_logits)
+
+    def _run_locked(self, tokens: list[int], pos0: int, all_logits: bool) -> torch.Tensor:
         c = self.config
         t = len(tokens)
         self.cache.reserve(pos0 + t)
