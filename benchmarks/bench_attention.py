@@ -1,10 +1,11 @@
-"""Decode attention at the 7B's shape over context lengths: the fused attention_decode (RoPE +
-K/V write + split-K attention + split merge, one launch) against the unfused pair it replaces
-(rope_kv_write + paged_attention = three launches), and a sweep of the fused op's split sizing
-(num_splits = the ws size, min_pps = the op's minimum-pages-per-split argument, which the engine
-takes from NANOQWEN_ATTN_MIN_PPS).
+"""Decode attention at the 7B's shape over context lengths: a sweep of the fused
+attention_decode's split sizing (RoPE + K/V write + split-K attention + split merge, one
+launch; num_splits = the ws size, min_pps = the op's minimum-pages-per-split argument, which the
+engine takes from NANOQWEN_ATTN_MIN_PPS), and with --pair the unfused pair it replaced
+(rope_kv_write + paged_attention = three launches; paged_attention is in the lab library,
+benchmarks/lab/, built on first use, ~25 s).
 
-    python benchmarks/bench_attention.py [--heads 28 --kv-heads 4 --head-dim 128]
+    python benchmarks/bench_attention.py [--heads 28 --kv-heads 4 --head-dim 128] [--pair]
 
 Times a CUDA graph of 50 back-to-back calls, median of 7 replays (us per call), and reports the
 K/V bytes read per call against the measured 4276 GB/s copy bandwidth. Each call reads a
@@ -18,6 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
@@ -60,7 +63,15 @@ def main() -> None:
     ap.add_argument("--contexts", type=str, default=",".join(map(str, CONTEXTS)))
     ap.add_argument("--sweep", type=str, default="66:1,66:2,66:4,33:2,132:1,132:2",
                     help="fused variants as num_splits:min_pps")
+    ap.add_argument("--pair", action="store_true",
+                    help="also time the unfused pair (builds the lab library)")
     a = ap.parse_args()
+    lab = None
+    if a.pair:
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "lab"))
+        from lab import load, ptr, stream
+
+        lab = load()
     nh, nkv, d = a.heads, a.kv_heads, a.head_dim
     ops = torch.ops.nanoqwen
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -82,11 +93,13 @@ def main() -> None:
         ws = torch.empty(nh, S_eng, d, device="cuda"), torch.empty(nh, S_eng, 2, device="cuda")
 
         def pair(i):
-            ops.rope_kv_write(q, k[i % a.layers], v[i % a.layers], qkv, cos, sin, pos, table)
-            ops.paged_attention(out, *ws, q[0], k[i % a.layers], v[i % a.layers], table, pos)
+            kl, vl = k[i % a.layers], v[i % a.layers]
+            ops.rope_kv_write(q, kl, vl, qkv, cos, sin, pos, table)
+            lab.call("paged_attention", ptr(out), ptr(ws[0]), ptr(ws[1]), ptr(q[0]), ptr(kl),
+                     ptr(vl), ptr(table), pages, ptr(pos), nh, nkv, d, S_eng, d ** -0.5, stream())
 
         mb = 2 * L * nkv * d * 2 / 1e6
-        res = {"pair": (S_eng, time_graph(pair))}
+        res = {"pair": (S_eng, time_graph(pair))} if lab is not None else {}
         counters = torch.zeros(nkv, dtype=torch.int32, device="cuda")
         for S, mp in variants:
             S = max(1, min(pages, S))

@@ -1,10 +1,11 @@
 """Where a decode step's time goes: each op of the 7B step timed alone (a CUDA graph of 50
 launches on the backend's own buffers, median of 7 replays), times its count per token,
-against the whole captured step; also the alternatives (fused-norm GEMVs, the unfused
-rope_kv_write + paged_attention pair).
+against the whole captured step. With --alt, also the alternatives that left csrc/ (the
+fused-norm GEMVs, the unfused rope_kv_write + paged_attention pair), from the lab library
+(benchmarks/lab/lab.py; builds it first, ~25 s), on the same buffers.
 NANOQWEN_PDL=0 in the environment launches without programmatic dependent launch (A/B).
 
-    python benchmarks/bench_step.py [--preset 7b] [--context 512]
+    python benchmarks/bench_step.py [--preset 7b] [--context 512] [--alt]
 
 Synthetic random weights made on the GPU (CudaBackend.synthetic); the context is filled by a
 prefill so attention reads a real cache. Per-op figures include each launch's own overhead
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
@@ -31,6 +34,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="7b")
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--alt", action="store_true",
+                    help="also time the lab's alternatives (fused-norm GEMVs, paged_attention)")
     a = ap.parse_args()
     cfg = ModelConfig.from_name(a.preset)
     be = CudaBackend.synthetic(cfg, max_context=a.context + 64)
@@ -71,23 +76,7 @@ def main() -> None:
         ("advance_step", 1, lambda i: o.advance_step(
             be.token_in, be.pos, be.ctx_tokens, be.counter, ring, be.sampled, no_stops, halt)),
     ]
-    other = [  # alternatives, timed the same way, not summed: the fused-norm GEMVs
-        # (NANOQWEN_FUSE_NORM=1) and the session-1 pair attention_decode replaced
-        ("(alt) gemv_int4_norm qkv", nl, lambda i: o.gemv_int4_norm(
-            be.qkv, be.hidden, layers[i % nl].ln1, eps, layers[i % nl].qkv_qw,
-            layers[i % nl].qkv_sc, layers[i % nl].qkv_b)),
-        ("(alt) gemv_int4_silu_mul_norm", nl, lambda i: o.gemv_int4_silu_mul_norm(
-            be.act, be.hidden, layers[i % nl].ln2, eps, layers[i % nl].gate_qw,
-            layers[i % nl].gate_sc, layers[i % nl].up_qw, layers[i % nl].up_sc)),
-        ("(alt) gemv_fp16_norm lm_head", 1, lambda i: o.gemv_fp16_norm(
-            be.logits, be.hidden, be.norm, eps, be.lm_head)),
-        ("(alt) rope_kv_write", nl, lambda i: o.rope_kv_write(
-            q, be.k_layers[i % nl], be.v_layers[i % nl], be.qkv, be.cos, be.sin, be.pos,
-            be.page_table)),
-        ("(alt) paged_attention", nl, lambda i: o.paged_attention(
-            be.attn, be.ws_acc, be.ws_ml, q[0], be.k_layers[i % nl], be.v_layers[i % nl],
-            be.page_table, be.pos)),
-    ]
+    other = alternatives(be, q, eps) if a.alt else []
     import os
     print(f"# {cfg.name} decode step at context {a.context}, {torch.cuda.get_device_name()}, "
           f"PDL {'off' if os.environ.get('NANOQWEN_PDL') == '0' else 'on'}")
@@ -98,7 +87,7 @@ def main() -> None:
         for name, count, fn in rows + other:
             us = time_graph(fn)
             be.pos.fill_(pos_val)
-            if not name.startswith("(alt)"):
+            if not name.startswith("(alt"):
                 total += us * count
             print(f"| {name} | {us:.2f} | {count} | {us * count:.1f} |")
         # the whole captured step (it advances pos; reset it before every replay); a fresh
@@ -120,6 +109,53 @@ def main() -> None:
           f"{cfg.decode_bytes_per_token() / 4276e9 * 1e6:.0f} us at 4276 GB/s")
     with torch.inference_mode():
         bench_sampler(be, o)
+
+
+def alternatives(be, q, eps) -> list:
+    """(name, count, fn) rows for the lab's alternatives, timed like the step's ops, not summed:
+    the fused-norm GEMVs (NANOQWEN_FUSE_NORM=1 until its removal) and the pair attention_decode
+    replaced (rope_kv_write, still the prefill's op, + the lab's paged_attention)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "lab"))
+    from lab import load, ptr, stream
+
+    lab, o = load(), torch.ops.nanoqwen
+    L, nl = be.layers, len(be.layers)
+    H, V = be.hidden.shape[1], be.logits.shape[0]
+    nh, d = be.attn.shape
+
+    def nk(qw):  # an INT4 matrix's (n, k)
+        return qw.shape[0], qw.shape[1] * 8
+
+    def qkv_norm(i):
+        w = L[i % nl]
+        lab.call("gemv_int4_norm", ptr(be.qkv), ptr(be.hidden), ptr(w.ln1), eps, ptr(w.qkv_qw),
+                 ptr(w.qkv_sc), ptr(w.qkv_b), *nk(w.qkv_qw), stream())
+
+    def gate_up_norm(i):
+        w = L[i % nl]
+        lab.call("gemv_int4_silu_mul_norm", ptr(be.act), ptr(be.hidden), ptr(w.ln2), eps,
+                 ptr(w.gate_qw), ptr(w.gate_sc), ptr(w.up_qw), ptr(w.up_sc), *nk(w.gate_qw),
+                 stream())
+
+    def lm_head_norm(i):
+        lab.call("gemv_fp16_norm", ptr(be.logits), ptr(be.hidden), ptr(be.norm), eps,
+                 ptr(be.lm_head), V, H, stream())
+
+    def paged(i):
+        kc, vc = be.k_layers[i % nl], be.v_layers[i % nl]
+        lab.call("paged_attention", ptr(be.attn), ptr(be.ws_acc), ptr(be.ws_ml), ptr(q[0]),
+                 ptr(kc), ptr(vc), ptr(be.page_table), be.page_table.numel(), ptr(be.pos), nh,
+                 kc.shape[2], d, be.ws_acc.shape[1], d ** -0.5, stream())
+
+    return [
+        ("(alt, lab) gemv_int4_norm qkv", nl, qkv_norm),
+        ("(alt, lab) gemv_int4_silu_mul_norm", nl, gate_up_norm),
+        ("(alt, lab) gemv_fp16_norm lm_head", 1, lm_head_norm),
+        ("(alt) rope_kv_write", nl, lambda i: o.rope_kv_write(
+            q, be.k_layers[i % nl], be.v_layers[i % nl], be.qkv, be.cos, be.sin, be.pos,
+            be.page_table)),
+        ("(alt, lab) paged_attention", nl, paged),
+    ]
 
 
 def bench_sampler(be, o) -> None:

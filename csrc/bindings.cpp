@@ -104,11 +104,12 @@ void same_device(const char* op, const Tensor& a, const Tensor& b, const char* b
               " but the output is on ", a.device());
 }
 
-void check_launch(const char* op, cudaError_t err, bool gemv = false) {
+// A failed launcher has recorded what was wrong, with the numbers (kernels.h's convention, every
+// csrc/ function): the exception carries it. Taken, so a later failure cannot show it again.
+void check_launch(const char* op, cudaError_t err) {
   if (err == cudaSuccess) return;
-  std::string extra;
-  if (gemv && err == cudaErrorInvalidValue) extra = std::string(" (") + gemv_last_error_message() + ")";
-  fail("nanoqwen::", op, " failed: ", cudaGetErrorString(err), extra);
+  const std::string m = nanoqwen::take_last_error();
+  fail("nanoqwen::", op, " failed: ", cudaGetErrorString(err), m.empty() ? "" : " (" + m + ")");
 }
 
 cudaStream_t stream_of(const Tensor& t) {
@@ -203,39 +204,6 @@ void rope_kv_write(Tensor& q_out, Tensor& k_cache, Tensor& v_cache, const Tensor
                                            pos.data_ptr<int32_t>(),
                                            page_table.data_ptr<int32_t>(), (int)table_len,
                                            (int)T, (int)nh, (int)nkv, (int)D, stream_of(q_out)));
-}
-
-void paged_attention(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, const Tensor& q,
-                     const Tensor& k_cache, const Tensor& v_cache, const Tensor& page_table,
-                     const Tensor& pos) {
-  const char* op = "paged_attention";
-  check_arg(op, "out", out, at::kHalf);
-  check_arg(op, "ws_acc", ws_acc, at::kFloat);
-  check_arg(op, "ws_ml", ws_ml, at::kFloat);
-  check_arg(op, "q", q, at::kHalf);
-  check_cache(op, k_cache, v_cache);
-  check_arg(op, "page_table", page_table, at::kInt);
-  check_arg(op, "pos", pos, at::kInt);
-  check_dims(op, "q", q, {-1, k_cache.size(3)});
-  const int64_t nh = q.size(0), D = q.size(1), nkv = k_cache.size(2);
-  NQ_CHECK(nh % nkv == 0 && nh / nkv <= nanoqwen::kMaxGqa, op, ": n_heads=", nh,
-              " / n_kv_heads=", nkv, " must be a whole GQA ratio of at most ", nanoqwen::kMaxGqa);
-  check_dims(op, "out", out, {nh, D});
-  check_dims(op, "ws_acc", ws_acc, {nh, -1, D});
-  const int64_t S = ws_acc.size(1);
-  NQ_CHECK(S >= 1, op, ": ws_acc has no split slots");
-  check_dims(op, "ws_ml", ws_ml, {nh, S, 2});
-  check_dims(op, "page_table", page_table, {-1});
-  NQ_CHECK(page_table.size(0) >= 1, op, ": page_table is empty");
-  check_dims(op, "pos", pos, {1});
-  for (const Tensor* t : Ts{&ws_acc, &ws_ml, &q, &k_cache, &v_cache, &page_table, &pos})
-    same_device(op, out, *t, "an input");
-  const c10::cuda::CUDAGuard g(out.device());
-  check_launch(op, nanoqwen::paged_attention(
-                       hp(out), ws_acc.data_ptr<float>(), ws_ml.data_ptr<float>(), chp(q),
-                       chp(k_cache), chp(v_cache), page_table.data_ptr<int32_t>(),
-                       (int)page_table.size(0), pos.data_ptr<int32_t>(), (int)nh, (int)nkv,
-                       (int)D, (int)S, (float)(1.0 / std::sqrt((double)D)), stream_of(out)));
 }
 
 void attention_decode(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, Tensor& counters,
@@ -372,7 +340,7 @@ void advance_step(Tensor& token_in, Tensor& pos, Tensor& ctx_tokens, Tensor& cou
                                           stream_of(token_in)));
 }
 
-// ---- GEMVs (csrc/gemv.h, the GEMV engineer's launchers) ---------------------------------------
+// ---- GEMVs (csrc/gemv.h) ---------------------------------------------------------------------
 
 // One INT4 g128 matrix (quant.py's layout): qweight int32 [n, k/8] (8 nibbles a word), scales
 // fp16 [n, k/128]. Sets n and k (k = 8 * qweight's columns, a multiple of the group 128).
@@ -419,8 +387,8 @@ void gemv_int4(Tensor& y, const Tensor& x, const Tensor& qweight, const Tensor& 
   const half* b = opt_bias(op, bias, y, n);
   for (const Tensor* t : Ts{&x, &qweight, &scales}) same_device(op, y, *t, "an input");
   const c10::cuda::CUDAGuard g(y.device());
-  check_launch(op, ::gemv_int4(hp(y), chp(x), qw(qweight), chp(scales), b, (int)n, (int)k,
-                               stream_of(y)), true);
+  check_launch(op, nanoqwen::gemv_int4(hp(y), chp(x), qw(qweight), chp(scales), b, (int)n,
+                                       (int)k, stream_of(y)));
 }
 
 void gemv_int4_residual(Tensor& hidden, const Tensor& x, const Tensor& qweight,
@@ -432,8 +400,8 @@ void gemv_int4_residual(Tensor& hidden, const Tensor& x, const Tensor& qweight,
   NQ_CHECK(hidden.numel() == n, op, ": hidden has ", hidden.numel(), " elements, expected n=", n);
   for (const Tensor* t : Ts{&x, &qweight, &scales}) same_device(op, hidden, *t, "an input");
   const c10::cuda::CUDAGuard g(hidden.device());
-  check_launch(op, ::gemv_int4_residual(hidden.data_ptr<float>(), chp(x), qw(qweight),
-                                        chp(scales), (int)n, (int)k, stream_of(hidden)), true);
+  check_launch(op, nanoqwen::gemv_int4_residual(hidden.data_ptr<float>(), chp(x), qw(qweight),
+                                                chp(scales), (int)n, (int)k, stream_of(hidden)));
 }
 
 void gemv_int4_silu_mul(Tensor& out, const Tensor& x, const Tensor& qw_gate, const Tensor& sc_gate,
@@ -447,8 +415,9 @@ void gemv_int4_silu_mul(Tensor& out, const Tensor& x, const Tensor& qw_gate, con
   NQ_CHECK(out.numel() == n, op, ": out has ", out.numel(), " elements, expected n=", n);
   for (const Tensor* t : Ts{&x, &qw_gate, &sc_gate, &qw_up, &sc_up}) same_device(op, out, *t, "an input");
   const c10::cuda::CUDAGuard g(out.device());
-  check_launch(op, ::gemv_int4_silu_mul(hp(out), chp(x), qw(qw_gate), chp(sc_gate), qw(qw_up),
-                                        chp(sc_up), (int)n, (int)k, stream_of(out)), true);
+  check_launch(op, nanoqwen::gemv_int4_silu_mul(hp(out), chp(x), qw(qw_gate), chp(sc_gate),
+                                                qw(qw_up), chp(sc_up), (int)n, (int)k,
+                                                stream_of(out)));
 }
 
 void gemv_fp16(Tensor& logits, const Tensor& x, const Tensor& w) {
@@ -463,70 +432,8 @@ void gemv_fp16(Tensor& logits, const Tensor& x, const Tensor& w) {
   same_device(op, logits, x, "x");
   same_device(op, logits, w, "w");
   const c10::cuda::CUDAGuard g(logits.device());
-  check_launch(op, ::gemv_fp16(logits.data_ptr<float>(), chp(x), chp(w), (int)n, (int)k,
-                               stream_of(logits)), true);
-}
-
-// ---- GEMVs with the RMSNorm fused into their prologue (x = norm(hidden) never leaves the SM) --
-
-void check_norm(const char* op, const Tensor& hidden, const Tensor& norm_w, double eps, int64_t k) {
-  check_arg(op, "hidden", hidden, at::kFloat);
-  check_arg(op, "norm_w", norm_w, at::kHalf);
-  NQ_CHECK(hidden.numel() == k, op, ": hidden has ", hidden.numel(), " elements, expected k=", k);
-  check_dims(op, "norm_w", norm_w, {k});
-  NQ_CHECK(eps > 0, op, ": eps=", eps, " must be > 0");
-}
-
-void gemv_int4_norm(Tensor& y, const Tensor& hidden, const Tensor& norm_w, double eps,
-                    const Tensor& qweight, const Tensor& scales, const c10::optional<Tensor>& bias) {
-  const char* op = "gemv_int4_norm";
-  int64_t n, k;
-  check_qweight(op, qweight, scales, &n, &k);
-  check_norm(op, hidden, norm_w, eps, k);
-  check_arg(op, "y", y, at::kHalf);
-  NQ_CHECK(y.numel() == n, op, ": y has ", y.numel(), " elements, expected n=", n);
-  const half* b = opt_bias(op, bias, y, n);
-  for (const Tensor* t : Ts{&hidden, &norm_w, &qweight, &scales}) same_device(op, y, *t, "an input");
-  const c10::cuda::CUDAGuard g(y.device());
-  check_launch(op, ::gemv_int4_norm(hp(y), hidden.data_ptr<float>(), chp(norm_w), (float)eps,
-                                    qw(qweight), chp(scales), b, (int)n, (int)k, stream_of(y)),
-               true);
-}
-
-void gemv_int4_silu_mul_norm(Tensor& out, const Tensor& hidden, const Tensor& norm_w, double eps,
-                             const Tensor& qw_gate, const Tensor& sc_gate, const Tensor& qw_up,
-                             const Tensor& sc_up) {
-  const char* op = "gemv_int4_silu_mul_norm";
-  int64_t n, k, n2, k2;
-  check_qweight(op, qw_gate, sc_gate, &n, &k, "qw_gate", "sc_gate");
-  check_dims(op, "qw_up", qw_up, {n, k / 8});  // the up matrix has the gate matrix's shape
-  check_qweight(op, qw_up, sc_up, &n2, &k2, "qw_up", "sc_up");
-  check_norm(op, hidden, norm_w, eps, k);
-  check_arg(op, "out", out, at::kHalf);
-  NQ_CHECK(out.numel() == n, op, ": out has ", out.numel(), " elements, expected n=", n);
-  for (const Tensor* t : Ts{&hidden, &norm_w, &qw_gate, &sc_gate, &qw_up, &sc_up})
-    same_device(op, out, *t, "an input");
-  const c10::cuda::CUDAGuard g(out.device());
-  check_launch(op, ::gemv_int4_silu_mul_norm(hp(out), hidden.data_ptr<float>(), chp(norm_w),
-                                             (float)eps, qw(qw_gate), chp(sc_gate), qw(qw_up),
-                                             chp(sc_up), (int)n, (int)k, stream_of(out)),
-               true);
-}
-
-void gemv_fp16_norm(Tensor& logits, const Tensor& hidden, const Tensor& norm_w, double eps,
-                    const Tensor& w) {
-  const char* op = "gemv_fp16_norm";
-  check_arg(op, "logits", logits, at::kFloat);
-  check_arg(op, "w", w, at::kHalf);
-  check_dims(op, "w", w, {-1, -1});
-  const int64_t n = w.size(0), k = w.size(1);
-  check_norm(op, hidden, norm_w, eps, k);
-  NQ_CHECK(logits.numel() == n, op, ": logits has ", logits.numel(), " elements, expected n=", n);
-  for (const Tensor* t : Ts{&hidden, &norm_w, &w}) same_device(op, logits, *t, "an input");
-  const c10::cuda::CUDAGuard g(logits.device());
-  check_launch(op, ::gemv_fp16_norm(logits.data_ptr<float>(), hidden.data_ptr<float>(),
-                                    chp(norm_w), (float)eps, chp(w), (int)n, (int)k,
-                                    stream_of(logits)), true);
+  check_launch(op, nanoqwen::gemv_fp16(logits.data_ptr<float>(), chp(x), chp(w), (int)n,
+                                       (int)k, stream_of(logits)));
 }
 
 void dequant_int4(Tensor& w, const Tensor& qweight, const Tensor& scales) {
@@ -538,8 +445,8 @@ void dequant_int4(Tensor& w, const Tensor& qweight, const Tensor& scales) {
   same_device(op, w, qweight, "qweight");
   same_device(op, w, scales, "scales");
   const c10::cuda::CUDAGuard g(w.device());
-  check_launch(op, ::dequant_int4(hp(w), qw(qweight), chp(scales), (int)n, (int)k,
-                                  stream_of(w)), true);
+  check_launch(op, nanoqwen::dequant_int4(hp(w), qw(qweight), chp(scales), (int)n, (int)k,
+                                          stream_of(w)));
 }
 
 
@@ -561,9 +468,12 @@ struct NoGil {
   }
 };
 
+// engine.cu's failures carry their context and the CUDA error (kernels.h's convention); a raw
+// CUDA call of this class records nothing, so then the error itself is the message.
 void check_engine(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return;
-  fail("nanoqwen engine: ", what, ": ", nanoqwen::engine_last_error());
+  const std::string m = nanoqwen::take_last_error();
+  fail("nanoqwen engine: ", what, ": ", m.empty() ? std::string(cudaGetErrorString(e)) : m);
 }
 
 class Engine : public torch::CustomClassHolder {
@@ -578,8 +488,8 @@ class Engine : public torch::CustomClassHolder {
   //   up_sc, down_qw, down_sc, k_cache, v_cache
   // dense: 4 a layer (resident fp16 W_qkv, W_o, W_gate_up, W_down), or 4 scratch matrices
   //   (per-layer dequant before each layer's prefill GEMMs)
-  // ints: H, I, n_heads, n_kv, head_dim, vocab, fuse_norm, min_pps, num_splits, resident,
-  //   prefill_chunk
+  // ints: H, I, n_heads, n_kv, head_dim, vocab, 0 (the removed fuse_norm's slot, kept so the
+  //   layout stays), min_pps, num_splits, resident, prefill_chunk
   Engine(std::vector<Tensor> globals, std::vector<Tensor> layers, std::vector<Tensor> dense,
          std::vector<int64_t> ints, double eps, int64_t stream_ptr)
       : g_(std::move(globals)), l_(std::move(layers)), d_(std::move(dense)) {
@@ -596,7 +506,9 @@ class Engine : public torch::CustomClassHolder {
     NQ_CHECK(chunk_ >= 1, op, ": prefill_chunk=", chunk_, " must be >= 1");
     nanoqwen::StepArgs& a = a_;
     a.H = (int)ints[0]; a.I = (int)ints[1]; a.n_heads = (int)ints[2]; a.n_kv = (int)ints[3];
-    a.head_dim = (int)ints[4]; a.vocab = (int)ints[5]; a.fuse_norm = ints[6] != 0;
+    a.head_dim = (int)ints[4]; a.vocab = (int)ints[5];
+    NQ_CHECK(ints[6] == 0, op, ": ints[6]=", ints[6],
+             " must be 0 (it was fuse_norm; the fused-norm GEMVs moved to benchmarks/lab/)");
     a.min_pps = (int)ints[7]; a.num_splits = (int)ints[8]; a.eps = (float)eps;
     const int64_t H = a.H, I = a.I, nh = a.n_heads, nkv = a.n_kv, hd = a.head_dim, V = a.vocab;
     const int64_t qn = (nh + 2 * nkv) * hd, S = a.num_splits;
@@ -682,7 +594,7 @@ class Engine : public torch::CustomClassHolder {
     stream_ = reinterpret_cast<cudaStream_t>(stream_ptr);
     const c10::cuda::CUDAGuard dg(device_);
     loop_ = std::make_unique<nanoqwen::DecodeLoop>(&a_, stream_, (int)device_.index());
-    NQ_CHECK(loop_->ring() != nullptr, op, ": ", nanoqwen::engine_last_error());
+    NQ_CHECK(loop_->ring() != nullptr, op, ": ", nanoqwen::take_last_error());
   }
 
   // Capture the decode step; true when the graph is halt-gated (engine.h).
@@ -862,8 +774,8 @@ class Engine : public torch::CustomClassHolder {
     const int64_t I = a_.I;
     auto dq = [&](const Tensor& w, const Tensor& qweight, const Tensor& scales) {
       check_launch("prefill dequant_int4",
-                   ::dequant_int4(hp(w), qw(qweight), chp(scales), (int)w.size(0), (int)w.size(1),
-                                  stream_), true);
+                   nanoqwen::dequant_int4(hp(w), qw(qweight), chp(scales), (int)w.size(0),
+                                          (int)w.size(1), stream_));
     };
     dq(d_[0], lt[2], lt[3]);
     dq(d_[1], lt[5], lt[6]);
@@ -934,9 +846,6 @@ TORCH_LIBRARY(nanoqwen, m) {
   // RoPE on q,k of qkv rows at positions pos.. + write k,v into the layer's 16-token pages
   m.def("rope_kv_write(Tensor! q_out, Tensor! k_cache, Tensor! v_cache, Tensor qkv, Tensor cos, "
         "Tensor sin, Tensor pos, Tensor page_table) -> ()");
-  // split-K paged GQA decode attention of the token at pos over positions 0..pos
-  m.def("paged_attention(Tensor! out, Tensor! ws_acc, Tensor! ws_ml, Tensor q, Tensor k_cache, "
-        "Tensor v_cache, Tensor page_table, Tensor pos) -> ()");
   // penalty/greedy/top-k/top-p/min-p/temperature sampling with params in device memory
   m.def("sample_token(Tensor! out_token, Tensor! work, Tensor logits, Tensor ctx_tokens, "
         "Tensor pos, Tensor params_f, Tensor params_i, Tensor counter) -> ()");
@@ -957,12 +866,6 @@ TORCH_LIBRARY(nanoqwen, m) {
   m.def("attention_decode(Tensor! out, Tensor! ws_acc, Tensor! ws_ml, Tensor! counters, "
         "Tensor qkv, Tensor! k_cache, Tensor! v_cache, Tensor cos, Tensor sin, "
         "Tensor page_table, Tensor pos, int min_pps=0) -> ()");
-  // the GEMVs above with x = rmsnorm(hidden) * norm_w computed in their prologue
-  m.def("gemv_int4_norm(Tensor! y, Tensor hidden, Tensor norm_w, float eps, Tensor qweight, "
-        "Tensor scales, Tensor? bias) -> ()");
-  m.def("gemv_int4_silu_mul_norm(Tensor! out, Tensor hidden, Tensor norm_w, float eps, "
-        "Tensor qw_gate, Tensor sc_gate, Tensor qw_up, Tensor sc_up) -> ()");
-  m.def("gemv_fp16_norm(Tensor! logits, Tensor hidden, Tensor norm_w, float eps, Tensor w) -> ()");
   // INT4 -> fp16 weight (prefill feeds cuBLAS with it)
   m.def("dequant_int4(Tensor! w, Tensor qweight, Tensor scales) -> ()");
 }
@@ -971,7 +874,6 @@ TORCH_LIBRARY_IMPL(nanoqwen, CUDA, m) {
   m.impl("embed_gather", &nanoqwen_ops::embed_gather);
   m.impl("rmsnorm", &nanoqwen_ops::rmsnorm);
   m.impl("rope_kv_write", &nanoqwen_ops::rope_kv_write);
-  m.impl("paged_attention", &nanoqwen_ops::paged_attention);
   m.impl("sample_token", &nanoqwen_ops::sample_token);
   m.impl("advance_step", &nanoqwen_ops::advance_step);
   m.impl("gemv_int4", &nanoqwen_ops::gemv_int4);
@@ -980,7 +882,4 @@ TORCH_LIBRARY_IMPL(nanoqwen, CUDA, m) {
   m.impl("gemv_fp16", &nanoqwen_ops::gemv_fp16);
   m.impl("dequant_int4", &nanoqwen_ops::dequant_int4);
   m.impl("attention_decode", &nanoqwen_ops::attention_decode);
-  m.impl("gemv_int4_norm", &nanoqwen_ops::gemv_int4_norm);
-  m.impl("gemv_int4_silu_mul_norm", &nanoqwen_ops::gemv_int4_silu_mul_norm);
-  m.impl("gemv_fp16_norm", &nanoqwen_ops::gemv_fp16_norm);
 }

@@ -1,4 +1,6 @@
-// Small device helpers shared by the torch-free kernel files (not part of the launcher API).
+// Small device helpers shared by the torch-free kernel files (not part of the launcher API), and
+// launch_pdl, through which every decode kernel is launched. kernels.h brings the error
+// convention (nq_fail / last_error_message) to every file that includes this one.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -7,6 +9,8 @@
 #include <stdlib.h>
 
 #include <utility>
+
+#include "kernels.h"
 
 namespace nanoqwen {
 
@@ -42,26 +46,14 @@ inline bool pdl_enabled() {
   return on;
 }
 
-// SM count of the current device (host; cached per device; not a stream operation, so legal
-// while a graph is being captured). Used to size persistent grids.
-inline int num_sms() {
-  static int cache[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-  if (dev < 0 || dev >= 64) return 132;
-  if (!cache[dev]) {
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 0;
-    cache[dev] = v;
-  }
-  return cache[dev];
-}
-
 // kern<<<grid, block, smem, stream>>>(args...) with the programmatic-stream-serialization
-// attribute (see above); returns the launch's error.
+// attribute (see above). On failure (the launch's own error, or one cudaGetLastError reports
+// right after it) records "<what>: launch of grid (x, y, z) x block b with s bytes of dynamic
+// shared memory (PDL on|off) failed" and returns the error. `what` names the kernel and its
+// instance, e.g. "attention_decode<128, 7>".
 template <typename... KArgs, typename... Args>
-cudaError_t launch_pdl(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem,
-                       cudaStream_t stream, Args&&... args) {
+cudaError_t launch_pdl(const char* what, void (*kern)(KArgs...), dim3 grid, dim3 block,
+                       size_t smem, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -72,19 +64,34 @@ cudaError_t launch_pdl(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t sme
   attr[0].val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, kern, std::forward<Args>(args)...);
-  return e != cudaSuccess ? e : cudaGetLastError();
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kern, std::forward<Args>(args)...);
+  if (e == cudaSuccess) e = cudaGetLastError();
+  if (e == cudaSuccess) return e;
+  return nq_fail(e, "%s: launch of grid (%u, %u, %u) x block %u with %zu bytes of dynamic shared "
+                 "memory (PDL %s) failed", what, grid.x, grid.y, grid.z, block.x, smem,
+                 pdl_enabled() ? "on" : "off");
+}
+
+// Dynamic shared memory above 48 KB needs the kernel's attribute raised. Call sites do it once
+// per kernel instance (not a stream operation, so also legal when the first call happens during
+// graph capture) and report a refusal on every call, with the numbers:
+//   static const cudaError_t attr = set_max_smem(kern, bytes);
+//   if (attr != cudaSuccess) return smem_refused(attr, "<kernel instance>", bytes);
+template <typename... KArgs>
+cudaError_t set_max_smem(void (*kern)(KArgs...), int bytes) {
+  const cudaError_t e =
+      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e != cudaSuccess) (void)cudaGetLastError();  // not sticky: the next launch must not see it
+  return e;
+}
+inline cudaError_t smem_refused(cudaError_t e, const char* what, int bytes) {
+  return nq_fail(e, "%s: cudaFuncSetAttribute(MaxDynamicSharedMemorySize, %d bytes) refused",
+                 what, bytes);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
@@ -100,18 +107,13 @@ __device__ __forceinline__ uint4 ld_weights(const uint4* p) {
   return v;
 }
 
-// cp.async (LDGSTS) of 16 bytes global -> shared, bypassing L1 (.cg); L2_256 adds the
-// .L2::256B prefetch hint. Completion per thread: cp_async_commit() closes a group,
-// cp_async_wait<N>() returns once at most N of this thread's groups are pending; other threads'
-// copies need a barrier (__syncwarp / __syncthreads) after that before they are read.
-// Used by the attention page ring and the v5 GEMV weight ring.
-template <bool L2_256 = false>
+// cp.async (LDGSTS) of 16 bytes global -> shared, bypassing L1 (.cg). Completion per thread:
+// cp_async_commit() closes a group, cp_async_wait<N>() returns once at most N of this thread's
+// groups are pending; other threads' copies need a barrier (__syncwarp / __syncthreads) after
+// that before they are read. Used by the attention page ring and the INT4 GEMV weight ring.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  if constexpr (L2_256)
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-  else
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>

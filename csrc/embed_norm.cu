@@ -32,8 +32,12 @@ __global__ void embed_gather_kernel(float* __restrict__ hidden, const half* __re
 cudaError_t embed_gather(float* hidden, const half* table, const int32_t* ids, int T, int H,
                          int vocab, cudaStream_t stream) {
   if (T <= 0) return cudaSuccess;
-  if (H % 8) return cudaErrorInvalidValue;
-  return launch_pdl(embed_gather_kernel, dim3(T), dim3(256), 0, stream, hidden, table, ids, H, vocab);
+  if (H % 8 || vocab < 1)
+    return nq_fail(cudaErrorInvalidValue,
+                   "embed_gather: H=%d must be a multiple of 8 and vocab=%d >= 1 (T=%d)", H, vocab,
+                   T);
+  return launch_pdl("embed_gather_kernel", embed_gather_kernel, dim3(T), dim3(256), 0, stream,
+                    hidden, table, ids, H, vocab);
 }
 
 // One block per row. Each thread keeps its slice of the row in registers between the
@@ -78,9 +82,12 @@ rmsnorm_kernel(half* __restrict__ out, const float* __restrict__ hidden,
 cudaError_t rmsnorm(half* out, const float* hidden, const half* weight, int T, int H, float eps,
                     cudaStream_t stream) {
   if (T <= 0) return cudaSuccess;
-  if (H % 4 || H > kNormThreads * 4 * kMaxVec) return cudaErrorInvalidValue;
-  return launch_pdl(rmsnorm_kernel, dim3(T), dim3(kNormThreads), 0, stream, out, hidden, weight,
-                    H, eps);
+  if (H % 4 || H > kNormThreads * 4 * kMaxVec)
+    return nq_fail(cudaErrorInvalidValue,
+                   "rmsnorm: H=%d must be a multiple of 4 and at most %d (T=%d)", H,
+                   kNormThreads * 4 * kMaxVec, T);
+  return launch_pdl("rmsnorm_kernel", rmsnorm_kernel, dim3(T), dim3(kNormThreads), 0, stream, out,
+                    hidden, weight, H, eps);
 }
 
 }  // namespace nanoqwen

@@ -9,43 +9,45 @@
 
 #include "common.cuh"
 #include "gemv.h"
-#include "kernels.h"
+#include "kernels.h"  // and the error convention: nq_fail, take_last_error
 
 namespace nanoqwen {
 namespace {
 
-thread_local std::string t_last_error;
-
+// The error convention (kernels.h): a failing launcher has recorded its own message; record()
+// is for a raw CUDA call of this file (no inner message), wrap() adds the decode step's context
+// (which layer, which op, the numbers) in front of the launcher's message. Both end in the CUDA
+// error's name, as engine messages always have.
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
 cudaError_t record(cudaError_t e, const char* fmt, ...) {
   char buf[512];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(buf, sizeof(buf), fmt, ap);
   va_end(ap);
-  t_last_error = std::string(buf) + ": " + cudaGetErrorString(e);
-  return e;
+  return nq_fail(e, "%s: %s", buf, cudaGetErrorString(e));
 }
 
-// A failed GEMV launcher leaves its own message (per host thread); add it.
-cudaError_t record_gemv(cudaError_t e, const char* what, int layer) {
-  const std::string m = gemv_last_error_message();
-  std::string where = layer >= 0 ? "decode step, layer " + std::to_string(layer) + ", " + what
-                                 : std::string("decode step, ") + what;
-  if (!m.empty()) where += " (" + m + ")";
-  t_last_error = where + ": " + cudaGetErrorString(e);
-  return e;
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+cudaError_t wrap(cudaError_t e, const char* fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  const std::string inner = take_last_error();
+  if (inner.empty()) return nq_fail(e, "%s: %s", buf, cudaGetErrorString(e));
+  return nq_fail(e, "%s (%s): %s", buf, inner.c_str(), cudaGetErrorString(e));
 }
 
-#define NQ_TRY(call, ...)                                   \
-  do {                                                      \
-    const cudaError_t e_ = (call);                          \
-    if (e_ != cudaSuccess) return record(e_, __VA_ARGS__);  \
-  } while (0)
-
-#define NQ_TRY_GEMV(call, what, layer)                            \
-  do {                                                            \
-    const cudaError_t e_ = (call);                                \
-    if (e_ != cudaSuccess) return record_gemv(e_, what, layer);   \
+#define NQ_TRY(call, ...)                                 \
+  do {                                                    \
+    const cudaError_t e_ = (call);                        \
+    if (e_ != cudaSuccess) return wrap(e_, __VA_ARGS__);  \
   } while (0)
 
 __global__ void stamp_kernel(uint64_t* out) {
@@ -69,21 +71,17 @@ int64_t now_us() {
 
 }  // namespace
 
-const char* engine_last_error() { return t_last_error.c_str(); }
-
 cudaError_t stamp_time(uint64_t* out, cudaStream_t stream) {
   stamp_kernel<<<1, 1, 0, stream>>>(out);
-  return cudaGetLastError();
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? e : record(e, "stamp_time: launch of the 1-thread stamp kernel");
 }
 
 cudaError_t launch_logits(const StepArgs& a, cudaStream_t s) {
-  if (a.fuse_norm) {
-    NQ_TRY_GEMV(gemv_fp16_norm(a.logits, a.hidden, a.final_norm, a.eps, a.lm_head, a.vocab, a.H, s),
-                "lm_head gemv_fp16_norm", -1);
-  } else {
-    NQ_TRY(rmsnorm(a.xn, a.hidden, a.final_norm, 1, a.H, a.eps, s), "decode step, final rmsnorm");
-    NQ_TRY_GEMV(gemv_fp16(a.logits, a.xn, a.lm_head, a.vocab, a.H, s), "lm_head gemv_fp16", -1);
-  }
+  NQ_TRY(rmsnorm(a.xn, a.hidden, a.final_norm, 1, a.H, a.eps, s),
+         "decode step, final rmsnorm (H=%d)", a.H);
+  NQ_TRY(gemv_fp16(a.logits, a.xn, a.lm_head, a.vocab, a.H, s),
+         "decode step, lm_head gemv_fp16 (n=%d, k=%d)", a.vocab, a.H);
   return cudaSuccess;
 }
 
@@ -100,35 +98,27 @@ cudaError_t launch_sample_advance(const StepArgs& a, cudaStream_t s) {
 cudaError_t launch_step(const StepArgs& a, cudaStream_t s) {
   const int qkv_n = (a.n_heads + 2 * a.n_kv) * a.head_dim, q = a.n_heads * a.head_dim;
   const float scale = 1.0f / sqrtf((float)a.head_dim);
-  NQ_TRY(embed_gather(a.hidden, a.embed, a.token_in, 1, a.H, a.vocab, s), "decode step, embed_gather");
+  NQ_TRY(embed_gather(a.hidden, a.embed, a.token_in, 1, a.H, a.vocab, s),
+         "decode step, embed_gather (H=%d, V=%d)", a.H, a.vocab);
   for (int li = 0; li < (int)a.layers.size(); ++li) {
     const LayerPtrs& L = a.layers[li];
-    if (a.fuse_norm) {
-      NQ_TRY_GEMV(gemv_int4_norm(a.qkv, a.hidden, L.ln1, a.eps, L.qkv_qw, L.qkv_sc, L.qkv_b, qkv_n,
-                                 a.H, s), "qkv gemv_int4_norm", li);
-    } else {
-      NQ_TRY(rmsnorm(a.xn, a.hidden, L.ln1, 1, a.H, a.eps, s), "decode step, layer %d, rmsnorm 1", li);
-      NQ_TRY_GEMV(gemv_int4(a.qkv, a.xn, L.qkv_qw, L.qkv_sc, L.qkv_b, qkv_n, a.H, s), "qkv gemv_int4",
-                  li);
-    }
+    NQ_TRY(rmsnorm(a.xn, a.hidden, L.ln1, 1, a.H, a.eps, s), "decode step, layer %d, rmsnorm 1",
+           li);
+    NQ_TRY(gemv_int4(a.qkv, a.xn, L.qkv_qw, L.qkv_sc, L.qkv_b, qkv_n, a.H, s),
+           "decode step, layer %d, qkv gemv_int4", li);
     NQ_TRY(attention_decode(a.attn, a.ws_acc, a.ws_ml, a.attn_counters, a.qkv, L.k_cache,
                             L.v_cache, a.cos, a.sin, a.page_table, a.table_len, a.pos, a.n_heads,
                             a.n_kv, a.head_dim, a.num_splits, a.min_pps, scale, s),
            "decode step, layer %d, attention_decode (heads %d/%d, d=%d, splits %d, min_pps %d)",
            li, a.n_heads, a.n_kv, a.head_dim, a.num_splits, a.min_pps);
-    NQ_TRY_GEMV(gemv_int4_residual(a.hidden, a.attn, L.o_qw, L.o_sc, a.H, q, s), "o gemv_int4_residual",
-                li);
-    if (a.fuse_norm) {
-      NQ_TRY_GEMV(gemv_int4_silu_mul_norm(a.act, a.hidden, L.ln2, a.eps, L.gate_qw, L.gate_sc,
-                                          L.up_qw, L.up_sc, a.I, a.H, s),
-                  "gate/up gemv_int4_silu_mul_norm", li);
-    } else {
-      NQ_TRY(rmsnorm(a.xn, a.hidden, L.ln2, 1, a.H, a.eps, s), "decode step, layer %d, rmsnorm 2", li);
-      NQ_TRY_GEMV(gemv_int4_silu_mul(a.act, a.xn, L.gate_qw, L.gate_sc, L.up_qw, L.up_sc, a.I, a.H, s),
-                  "gate/up gemv_int4_silu_mul", li);
-    }
-    NQ_TRY_GEMV(gemv_int4_residual(a.hidden, a.act, L.down_qw, L.down_sc, a.H, a.I, s),
-                "down gemv_int4_residual", li);
+    NQ_TRY(gemv_int4_residual(a.hidden, a.attn, L.o_qw, L.o_sc, a.H, q, s),
+           "decode step, layer %d, o gemv_int4_residual", li);
+    NQ_TRY(rmsnorm(a.xn, a.hidden, L.ln2, 1, a.H, a.eps, s), "decode step, layer %d, rmsnorm 2",
+           li);
+    NQ_TRY(gemv_int4_silu_mul(a.act, a.xn, L.gate_qw, L.gate_sc, L.up_qw, L.up_sc, a.I, a.H, s),
+           "decode step, layer %d, gate/up gemv_int4_silu_mul", li);
+    NQ_TRY(gemv_int4_residual(a.hidden, a.act, L.down_qw, L.down_sc, a.H, a.I, s),
+           "decode step, layer %d, down gemv_int4_residual", li);
   }
   const cudaError_t e = launch_logits(a, s);
   return e != cudaSuccess ? e : launch_sample_advance(a, s);
@@ -141,8 +131,10 @@ DecodeLoop::DecodeLoop(StepArgs* a, cudaStream_t stream, int device)
   // mapped pinned memory: the GPU writes the ring and reads/writes halt through these pointers
   // (with unified addressing the device alias is the host address; asked for explicitly below)
   void* p = nullptr;
-  if (cudaHostAlloc(&p, sizeof(int32_t) * 4 * kRingSize + 64, cudaHostAllocMapped) != cudaSuccess) {
-    record(cudaGetLastError(), "cudaHostAlloc of the %d-slot token ring", kRingSize);
+  const size_t ring_bytes = sizeof(int32_t) * 4 * kRingSize + 64;
+  if (const cudaError_t e = cudaHostAlloc(&p, ring_bytes, cudaHostAllocMapped)) {
+    (void)cudaGetLastError();
+    record(e, "cudaHostAlloc of the %d-slot token ring (%zu bytes)", kRingSize, ring_bytes);
     return;
   }
   std::memset(p, 0, sizeof(int32_t) * 4 * kRingSize + 64);
@@ -208,10 +200,10 @@ cudaError_t DecodeLoop::capture() {
     if ((e = cudaStreamBeginCaptureToGraph(stream_, body, nullptr, nullptr, 0,
                                            cudaStreamCaptureModeRelaxed)) != cudaSuccess) break;
     const cudaError_t se = launch_step(*a_, stream_);
-    const std::string step_msg = t_last_error;
+    const std::string step_msg = take_last_error();
     cudaGraph_t b2 = body;
     e = cudaStreamEndCapture(stream_, &b2);
-    if (se != cudaSuccess) { t_last_error = step_msg; cudaGraphDestroy(g); return se; }
+    if (se != cudaSuccess) { nq_fail(se, "%s", step_msg.c_str()); cudaGraphDestroy(g); return se; }
     if (e != cudaSuccess) break;
     if ((e = cudaGraphInstantiate(&exec_, g, 0)) != cudaSuccess) break;
     ok = true;
@@ -238,9 +230,13 @@ cudaError_t DecodeLoop::capture() {
   if ((e = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed)) != cudaSuccess)
     return record(e, "cudaStreamBeginCapture of the decode step");
   const cudaError_t se = launch_step(*a_, stream_);
-  const std::string step_msg = t_last_error;
+  const std::string step_msg = take_last_error();
   e = cudaStreamEndCapture(stream_, &g);
-  if (se != cudaSuccess) { t_last_error = step_msg; if (g) cudaGraphDestroy(g); return se; }
+  if (se != cudaSuccess) {
+    nq_fail(se, "%s", step_msg.c_str());
+    if (g) cudaGraphDestroy(g);
+    return se;
+  }
   if (e != cudaSuccess) return record(e, "cudaStreamEndCapture of the decode step");
   if ((e = cudaGraphInstantiate(&exec_, g, 0)) != cudaSuccess) {
     cudaGraphDestroy(g);
@@ -308,7 +304,7 @@ void DecodeLoop::thread_main(int64_t n_steps, int run_ahead) {
     if (quit_.load() || halted()) break;
     const cudaError_t e = run_step(graph_.load());
     if (e != cudaSuccess) {
-      set_error(t_last_error);
+      set_error(take_last_error());
       if (halt_) *reinterpret_cast<volatile int32_t*>(halt_) = 1;
       break;
     }

@@ -59,7 +59,6 @@ struct LayerPtrs {
 struct StepArgs {
   int H = 0, I = 0, n_heads = 0, n_kv = 0, head_dim = 0, vocab = 0;
   float eps = 0.f;
-  bool fuse_norm = false;     // NANOQWEN_FUSE_NORM=1: norms in the GEMV prologues (A/B only)
   int min_pps = 0;            // attention_decode's minimum pages per split
   int num_splits = 1;
   int table_len = 0;          // pages in page_table (the RoPE tables hold table_len*16 rows)
@@ -99,7 +98,8 @@ constexpr int kRingSize = 256;      // slots in the pinned ring (the run-ahead i
 
 // The end of a step, also of a prefill: rmsnorm(hidden, final norm) -> lm_head GEMV into
 // logits; then sample_token -> advance_step. Each returns the first failing launch's error;
-// engine_last_error() then says which launch and why, with the numbers.
+// the thread's message (kernels.h: last_error_message()) then says which launch and why, with
+// the numbers ("decode step, layer 3, attention_decode (...): <the launcher's message>: <error>").
 cudaError_t launch_logits(const StepArgs& a, cudaStream_t stream);
 cudaError_t launch_sample_advance(const StepArgs& a, cudaStream_t stream);
 
@@ -110,9 +110,6 @@ cudaError_t launch_step(const StepArgs& a, cudaStream_t stream);
 
 // Writes the GPU's globaltimer (ns) into *out (host mapped) when the stream reaches it.
 cudaError_t stamp_time(uint64_t* out, cudaStream_t stream);
-
-// The message of the last failure recorded by this file's functions in this host thread.
-const char* engine_last_error();
 
 // A token read back from the ring: id and the GPU time its step ended.
 struct RingToken {

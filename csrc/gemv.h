@@ -1,10 +1,11 @@
-// gemv.h -- the batch-1 decode GEMV kernels: INT4 weight-only (group 128) and fp16 (lm_head).
+// gemv.h -- the batch-1 decode GEMVs the engine launches: INT4 weight-only (group 128) for the
+// projections, fp16 for the lm_head, and the INT4 -> fp16 dequantizer prefill feeds cuBLAS with.
 //
 // Torch-free: raw device pointers, a cudaStream_t, cudaError_t back. Every launcher checks its
-// arguments, launches on `stream` and returns cudaGetLastError(). On a failed argument check it
-// returns cudaErrorInvalidValue WITHOUT launching, and gemv_last_error_message() (per host
-// thread) then says what was wrong, with the numbers ("k=3500 is not a multiple of 128").
-// The binding should append that message to its exception.
+// arguments and launches on `stream`; on any failure (a refused argument or shape, a refused
+// shared-memory attribute, a failed launch) it records a message with the numbers (kernels.h's
+// convention: nanoqwen::last_error_message()) before it returns the error, without launching
+// when the arguments are at fault.
 //
 // INT4 layout (engine/quant.py is the reference): W [n, k] is
 //   qweight uint32 [n, k/8]    eight 4-bit codes u (1..15) per word, rows contiguous; word j holds
@@ -14,31 +15,31 @@
 //   W[n, k] = (u - 8) * scales[n, k/128]
 //
 // Invariants every launcher checks:
-//   n >= 1, k >= 128 and k % 128 == 0 (INT4) / k % 8 == 0 (fp16);
+//   n >= 1, k >= 128 and k % 128 == 0 (INT4) / k >= 8 and k % 8 == 0 (fp16);
 //   x, qweight, w 16-byte aligned (torch allocations are; a sliced view may not be);
+//   the shape fits the one kernel instance of its op (gemv_int4.cu's table: shared memory for
+//   x and the weight ring; n * k/32 within int) -- every Qwen2.5-Coder shape does; any other is
+//   refused with n and k in the message, there is no fallback kernel;
 //   all tensors contiguous, row-major, on the current device.
-// n may be anything >= 1 (no multiple of 8/32 needed): rows past n are never read or written.
-// INT4 accuracy (variants chosen per launcher in gemv_int4.cu from GEMV_NOTES.md's run 7):
-// gemv_int4, gemv_int4_residual and gemv_int4_silu_mul (v5 tca_exact): exact q times fp16 x on
-// tensor cores, fp32 sums, group scale applied in fp32 -- no |x| limit, rel. error ~1e-6 before
-// the output's rounding.
-// The fused-norm launchers (v5 tca_exact with the norm in the prologue): the same fp32 sums;
-// x is formed per block exactly as the rmsnorm kernel forms it (only the sum of squares is
-// reduced in another order, so x can differ from rmsnorm()'s in the last bit).
+// n may be anything >= 1 (no multiple of 8/16/32 needed): rows past n are never written.
+// Accuracy: the INT4 GEMVs multiply exact q (-7..7) by fp16 x on tensor cores with fp32
+// accumulation and apply the group scale in fp32 (no |x| limit; relative error ~1e-6 before the
+// output's rounding); gemv_fp16 converts w and x exactly to fp32 and sums in fp32.
 // Determinism: every output is written by one thread after a fixed-order reduction (no atomics),
 // so results are bit-identical run to run, graph or eager.
-// PDL: every GEMV is launched with nanoqwen::launch_pdl and follows common.cuh's rules (weights
-// and scales are loaded before griddep_wait(); x, hidden, bias and outputs only after it).
+// PDL: every GEMV is launched with launch_pdl and follows common.cuh's rules (weights and scales
+// are loaded before griddep_wait(); x, bias and outputs only after it).
 // Outputs must not alias inputs. All launchers are safe to capture in a CUDA graph.
+// The variants measured against these (benchmarks/GEMV_NOTES.md) live in benchmarks/lab/.
 #pragma once
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#ifdef __cplusplus
-extern "C" {
-#endif
+#include "kernels.h"
+
+namespace nanoqwen {
 
 // y[n] = sum_k W[n,k]*x[k] + (bias ? bias[n] : 0)      y, bias: half [n]; x: half [k]
 // (q/k/v are one call on the concatenated [q_size + 2*kv_size, k] matrix with one bias)
@@ -46,7 +47,6 @@ cudaError_t gemv_int4(half* y, const half* x, const uint32_t* qweight, const hal
                       const half* bias, int n, int k, cudaStream_t stream);
 
 // hidden[n] += sum_k W[n,k]*x[k]    fp32 residual stream, in place (o_proj, down_proj).
-// Each row is written by exactly one warp (no atomics), so the result is deterministic.
 cudaError_t gemv_int4_residual(float* hidden, const half* x, const uint32_t* qweight,
                                const half* scales, int n, int k, cudaStream_t stream);
 
@@ -60,56 +60,9 @@ cudaError_t gemv_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate
 cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k,
                       cudaStream_t stream);
 
-// The same three GEMVs with the RMSNorm fused into the prologue: x = half(float(norm_w) *
-// hidden * rsqrt(mean(hidden^2) + eps)), hidden fp32 [k] (the residual stream), computed per
-// block in fp32 and rounded once to half exactly as the rmsnorm kernel rounds it (the sum of
-// squares may be reduced in another order, so x can differ from rmsnorm()'s in the last bit).
-// These are what the decode step launches (no separate rmsnorm kernel, no xn round trip).
-cudaError_t gemv_int4_norm(half* y, const float* hidden, const half* norm_w, float eps,
-                           const uint32_t* qweight, const half* scales, const half* bias, int n,
-                           int k, cudaStream_t stream);
-cudaError_t gemv_int4_silu_mul_norm(half* out, const float* hidden, const half* norm_w, float eps,
-                                    const uint32_t* qw_gate, const half* sc_gate,
-                                    const uint32_t* qw_up, const half* sc_up, int n, int k,
-                                    cudaStream_t stream);
-cudaError_t gemv_fp16_norm(float* logits, const float* hidden, const half* norm_w, float eps,
-                           const half* w, int n, int k, cudaStream_t stream);
-
 // w half [n, k] = dequantize(qweight, scales); bit-identical to quant.dequantize(...).half()
 // ((u-8)*s is formed exactly and rounded once). Prefill uses it to feed cuBLAS.
 cudaError_t dequant_int4(half* w, const uint32_t* qweight, const half* scales, int n, int k,
                          cudaStream_t stream);
 
-// The message of the last failed argument check in this host thread ("" if none yet).
-const char* gemv_last_error_message(void);
-
-// ---- benchmark hooks (benchmarks/gemv_harness.py); not for the engine -------------------------
-// Same math as the launchers above, with the kernel variant picked by index so one build can
-// time the alternatives recorded in benchmarks/GEMV_NOTES.md. op: 0 = gemv_int4 (out half,
-// bias may be null), 1 = gemv_int4_residual (out float), 2 = gemv_int4_silu_mul (qw2/sc2 = up).
-int gemv_int4_variant_count(void);
-const char* gemv_int4_variant_name(int variant);
-cudaError_t gemv_int4_bench(int variant, int op, void* out, const half* x, const uint32_t* qw,
-                            const half* sc, const uint32_t* qw2, const half* sc2,
-                            const half* bias, int n, int k, cudaStream_t stream);
-// The same with the fused RMSNorm (op 0 = gemv_int4_norm, 2 = gemv_int4_silu_mul_norm); only the
-// variants for which gemv_int4_variant_supports_norm() is 1 accept it (others fail).
-cudaError_t gemv_int4_norm_bench(int variant, int op, void* out, const float* hidden,
-                                 const half* norm_w, float eps, const uint32_t* qw, const half* sc,
-                                 const uint32_t* qw2, const half* sc2, const half* bias, int n,
-                                 int k, cudaStream_t stream);
-int gemv_int4_variant_supports_norm(int variant);
-int gemv_fp16_variant_count(void);
-const char* gemv_fp16_variant_name(int variant);
-cudaError_t gemv_fp16_bench(int variant, float* logits, const half* x, const half* w, int n,
-                            int k, cudaStream_t stream);
-cudaError_t gemv_fp16_norm_bench(int variant, float* logits, const float* hidden,
-                                 const half* norm_w, float eps, const half* w, int n, int k,
-                                 cudaStream_t stream);
-
-// internal: shared by the two .cu files to record a failed check; returns cudaErrorInvalidValue.
-cudaError_t gemv_fail_(const char* fmt, ...);
-
-#ifdef __cplusplus
-}
-#endif
+}  // namespace nanoqwen

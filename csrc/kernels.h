@@ -1,7 +1,10 @@
-// nanoqwen decode kernels (everything but the INT4/fp16 GEMVs, which live in gemv.h).
+// nanoqwen decode kernels (everything but the INT4/fp16 GEMVs, which live in gemv.h), and the
+// one error convention every csrc/ function follows.
 //
-// Torch-free: raw pointers, a cudaStream_t, a cudaError_t back (the launch's own error, from
-// cudaGetLastError). csrc/bindings.cpp is the only file that includes torch headers.
+// Torch-free: raw pointers, a cudaStream_t, a cudaError_t back. csrc/bindings.cpp is the only
+// file that includes torch headers. Every launcher checks its arguments and launches on `stream`;
+// on any failure (a refused argument, a refused cudaFuncSetAttribute, a failed launch) it records
+// a message with the numbers (nq_fail, below) before it returns the error.
 //
 // Shared conventions (docs/INTERFACES.md, engine/kv_cache.py):
 //   hidden      fp32 [T, H]              the residual stream (GEMV epilogues add into it)
@@ -15,9 +18,50 @@
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <stdarg.h>
 #include <stdint.h>
+#include <stdio.h>
+
+#include <string>
 
 namespace nanoqwen {
+
+// ---- errors ------------------------------------------------------------------------------------
+// One message per host thread: the last failure recorded by any csrc/ function in this thread
+// ("" once taken). Every failing path records one (nq_fail) before it returns its error, so the
+// message read right after a failed call is that call's: the binding's check_launch appends it
+// to the op's exception, engine.cu wraps it with the decode step's context (layer, op). Messages
+// carry the numbers ("gemv_int4: n=1 k=90112 needs 235776 bytes of shared memory ...").
+// Inline with a function-local thread_local: one buffer per thread for the whole library.
+inline std::string& error_slot() {
+  static thread_local std::string s;
+  return s;
+}
+inline const char* last_error_message() { return error_slot().c_str(); }
+// The message, cleared (so a later failure that records nothing cannot borrow it).
+inline std::string take_last_error() {
+  std::string m;
+  m.swap(error_slot());
+  return m;
+}
+inline cudaError_t nq_vfail(cudaError_t err, const char* fmt, va_list ap) {
+  char buf[1024];
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  error_slot() = buf;
+  return err;
+}
+// Records printf(fmt, ...) as this thread's message and returns err (never cudaSuccess: a
+// caller writes `return nq_fail(cudaErrorInvalidValue, "rmsnorm: H=%d ...", H);`).
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+inline cudaError_t nq_fail(cudaError_t err, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  nq_vfail(err, fmt, ap);
+  va_end(ap);
+  return err;
+}
 
 constexpr int kPageSize = 16;
 constexpr int kMaxGqa = 8;  // Qwen2.5-Coder ratios are 5, 6, 7, 8 (and 1 for tests)
@@ -40,31 +84,24 @@ cudaError_t rope_kv_write(half* q_out, half* k_cache, half* v_cache, const half*
                           const int32_t* page_table, int table_len, int T, int n_heads,
                           int n_kv, int head_dim, cudaStream_t stream);
 
-// Decode attention of one token (position pos[0]) over positions 0..pos[0] of a paged cache.
-//   q [n_heads, head_dim] (after RoPE), out [n_heads, head_dim].
-// Split-K (flash-decoding): grid (n_kv, num_splits); split s takes a contiguous run of pages,
-// sized from the length at run time; a second kernel merges the splits' (max, sum, acc).
-//   ws_acc fp32 [n_heads, num_splits, head_dim], ws_ml fp32 [n_heads, num_splits, 2].
-// head_dim 64 or 128; n_heads / n_kv <= kMaxGqa. scale = 1/sqrt(head_dim).
-cudaError_t paged_attention(half* out, float* ws_acc, float* ws_ml, const half* q,
-                            const half* k_cache, const half* v_cache, const int32_t* page_table,
-                            int table_len, const int32_t* pos, int n_heads, int n_kv,
-                            int head_dim, int num_splits, float scale, cudaStream_t stream);
-
 // The decode step's attention in ONE launch: RoPE of q and k of the projected token
 // (qkv [(n_heads + 2 n_kv) * head_dim], position pos[0]) as rope_kv_write does it (fp32 from
 // fp16, rounded once), the write of rotated k and plain v into slot pos of the layer's pages
-// (skipped, like rope_kv_write, when pos is beyond the table), then paged_attention's split-K
-// attention over positions 0..pos, with the splits merged inside the same launch (the last
-// split block of each kv head to finish merges them, in split order, so the result does not
-// depend on which block finishes last). counters int32 [n_kv]: zero before the first call, left
-// zero by every call. Results equal rope_kv_write + paged_attention: rotated q and the cache
-// write bit for bit, the output to ~1 fp16 ulp (same fp32 math, another summation order).
+// (skipped, like rope_kv_write, when pos is beyond the table), then split-K (flash-decoding)
+// attention over positions 0..pos: grid (n_kv, num_splits), split s takes a contiguous run of
+// pages sized from the length at run time, and the splits are merged inside the same launch (the
+// last split block of each kv head to finish merges them, in split order, so the result does not
+// depend on which block finishes last).
+//   out [n_heads, head_dim]; ws_acc fp32 [n_heads, num_splits, head_dim], ws_ml fp32
+//   [n_heads, num_splits, 2] (the splits' acc and (max, sum)); counters int32 [n_kv]: zero
+//   before the first call, left zero by every call. head_dim 64 or 128, n_heads / n_kv <=
+//   kMaxGqa, scale = 1/sqrt(head_dim).
+// The cache write equals rope_kv_write's bit for bit.
 // Split sizing: pages per split = max(ceil(pages / num_splits), min_pps), so at short contexts
 // fewer, longer splits run (their merge reads cost more than a split's own pages). min_pps is an
 // argument, not read from the environment: 0 means kDecMinPpsDefault, 1..kDecMinPpsMax is used
-// as given, anything else returns cudaErrorInvalidValue without launching (the torch op checks
-// it first, with a message). A host int baked into the launch, so a captured graph keeps it.
+// as given, anything else fails without launching (the torch op checks it first). A host int
+// baked into the launch, so a captured graph keeps it.
 constexpr int kDecMinPpsDefault = 2;  // measured fastest on the H200 (benchmarks/RESULTS.md)
 // 8192 pages = 131072 tokens: larger values change nothing at Qwen2.5-Coder contexts (one split
 // per kv head already), and the bound keeps split * pps far inside int. engine/switches.py

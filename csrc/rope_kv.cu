@@ -1,11 +1,12 @@
-// RoPE (HF rotate_half) fused with the write of k/v into the 16-token KV pages.
+// RoPE (HF rotate_half) fused with the write of k/v into the 16-token KV pages, for the prefill
+// (T rows at once; the decode step does the same inside attention_decode, bit for bit alike).
 //
 // One block per token row. Pair (d, d + D/2) of a head rotates by angle pos * inv_freq[d]:
 //   out[d]       = x[d] * cos - x[d + D/2] * sin
 //   out[d + D/2] = x[d + D/2] * cos + x[d] * sin
 // computed in fp32 from the fp16 projection, rounded once to fp16 (the cache's dtype).
 // Launched with PDL (common.cuh): everything is read after griddep_wait (qkv comes from the
-// GEMV just before).
+// projection just before).
 #include "common.cuh"
 #include "kernels.h"
 
@@ -64,10 +65,13 @@ cudaError_t rope_kv_write(half* q_out, half* k_cache, half* v_cache, const half*
                           const int32_t* page_table, int table_len, int T, int n_heads,
                           int n_kv, int head_dim, cudaStream_t stream) {
   if (T <= 0) return cudaSuccess;
-  if (head_dim % 2 || n_kv <= 0 || n_heads % n_kv) return cudaErrorInvalidValue;
-  return launch_pdl(rope_kv_write_kernel, dim3(T), dim3(256), 0, stream, q_out, k_cache, v_cache,
-                    qkv, cos_table, sin_table, pos, page_table, table_len, n_heads, n_kv,
-                    head_dim);
+  if (head_dim % 2 || n_kv <= 0 || n_heads % n_kv || table_len < 1)
+    return nq_fail(cudaErrorInvalidValue,
+                   "rope_kv_write: head_dim=%d must be even, n_heads=%d a multiple of "
+                   "n_kv=%d >= 1, table_len=%d >= 1 (T=%d)", head_dim, n_heads, n_kv, table_len, T);
+  return launch_pdl("rope_kv_write_kernel", rope_kv_write_kernel, dim3(T), dim3(256), 0, stream,
+                    q_out, k_cache, v_cache, qkv, cos_table, sin_table, pos, page_table, table_len,
+                    n_heads, n_kv, head_dim);
 }
 
 }  // namespace nanoqwen

@@ -767,14 +767,15 @@ cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, i
                          const int32_t* ctx_tokens, int ctx_capacity, const int32_t* pos,
                          const float* params_f, const int64_t* params_i, const int64_t* counter,
                          cudaStream_t stream) {
-  if (V <= 0 || ctx_capacity <= 0) return cudaErrorInvalidValue;
-  // > 48 KB of dynamic shared memory needs the attribute; once per process (not a stream
-  // operation, so also legal when the first call happens under graph capture)
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWarpHistBytes);
-  if (attr != cudaSuccess) return attr;
-  return launch_pdl(sample_kernel, dim3(1), dim3(kSampleThreads), kWarpHistBytes, stream, out_token, work,
-                    logits, V, ctx_tokens, ctx_capacity, pos, params_f, params_i, counter);
+  if (V <= 0 || ctx_capacity <= 0)
+    return nq_fail(cudaErrorInvalidValue, "sample_token: V=%d and ctx_capacity=%d must be >= 1", V,
+                   ctx_capacity);
+  // > 48 KB of dynamic shared memory needs the attribute (common.cuh: once per process)
+  static const cudaError_t attr = set_max_smem(sample_kernel, kWarpHistBytes);
+  if (attr != cudaSuccess) return smem_refused(attr, "sample_token: sample_kernel", kWarpHistBytes);
+  return launch_pdl("sample_token: sample_kernel", sample_kernel, dim3(1), dim3(kSampleThreads),
+                    kWarpHistBytes, stream, out_token, work, logits, V, ctx_tokens, ctx_capacity,
+                    pos, params_f, params_i, counter);
 }
 
 __global__ void advance_kernel(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens,
@@ -811,9 +812,11 @@ cudaError_t advance_step(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens,
                          int ctx_capacity, int64_t* counter, int32_t* host_ring, int ring_size,
                          const int32_t* sampled, const int32_t* stops, int32_t* halt,
                          cudaStream_t stream) {
-  if (ring_size <= 0) return cudaErrorInvalidValue;
-  return launch_pdl(advance_kernel, dim3(1), dim3(1), 0, stream, token_in, pos, ctx_tokens,
-                    ctx_capacity, counter, host_ring, ring_size, sampled, stops, halt);
+  if (ring_size <= 0)
+    return nq_fail(cudaErrorInvalidValue, "advance_step: ring_size=%d must be >= 1", ring_size);
+  return launch_pdl("advance_step: advance_kernel", advance_kernel, dim3(1), dim3(1), 0, stream,
+                    token_in, pos, ctx_tokens, ctx_capacity, counter, host_ring, ring_size, sampled,
+                    stops, halt);
 }
 
 }  // namespace nanoqwen

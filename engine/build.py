@@ -160,7 +160,7 @@ def load_extension(verbose: bool | None = None) -> str:
             if len(msg) > 4000:
                 msg = "...\n" + msg[-4000:]
             raise BackendUnavailable(f"building the CUDA extension in {d} failed:\n{msg}") from e
-        if not hasattr(torch.ops.nanoqwen, "paged_attention"):
+        if not hasattr(torch.ops.nanoqwen, "attention_decode"):
             raise BackendUnavailable(f"{path} loaded but registered no nanoqwen ops")
         _loaded = str(path) if path is not None else str(d)
         return _loaded

@@ -1,9 +1,10 @@
 """Python wrappers over `torch.ops.nanoqwen.*` (csrc/bindings.cpp): allocate outputs,
 document shapes. Every op launches on the current CUDA stream.
 
-The decode step (backends/cuda.py) calls the raw out-variant ops on preallocated buffers
-(`torch.ops.nanoqwen.<op>(out, ...)`) so it can be captured in a CUDA graph; these
-allocating wrappers are for tests, benchmarks and prefill.
+The decode step and the prefill run in C++ (csrc/engine.cu, the Engine class in
+csrc/bindings.cpp) on preallocated buffers; these allocating wrappers are for tests and
+benchmarks. attention_decode has no wrapper: it writes the cache and needs the caller's
+workspace and counters, so its callers use the raw op.
 
 Shapes: H hidden, T tokens, nh/nkv query/kv heads, D head_dim, V vocab, N x K weights
 (INT4: qweight int32 [N, K/8], scales fp16 [N, K/128]; engine/quant.py is the layout).
@@ -47,34 +48,6 @@ def rope_kv_write(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q = torch.empty(qkv.shape[0], n_heads, d, dtype=torch.float16, device=qkv.device)
     _ops().rope_kv_write(q, k_cache, v_cache, qkv, cos, sin, pos, page_table)
     return q
-
-
-def attention_workspace(n_heads: int, head_dim: int, num_splits: int,
-                        device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ws_acc fp32 [nh, S, D], ws_ml fp32 [nh, S, 2]) for paged_attention with S splits."""
-    return (torch.empty(n_heads, num_splits, head_dim, dtype=torch.float32, device=device),
-            torch.empty(n_heads, num_splits, 2, dtype=torch.float32, device=device))
-
-
-def default_num_splits(n_kv_heads: int, max_pages: int, device=None) -> int:
-    """Splits so that (n_kv x splits) blocks fill the GPU about twice at long contexts."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(max_pages, -(-2 * sms // n_kv_heads)))
-
-
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    page_table: torch.Tensor, pos: torch.Tensor,
-                    num_splits: int | None = None) -> torch.Tensor:
-    """q fp16 [nh, D] of the token at position pos[0] attends to positions 0..pos[0] of the
-    paged cache (k/v_cache fp16 [num_pages, 16, nkv, D], page_table int32 [pages]).
-    Returns fp16 [nh, D]."""
-    nh, d = q.shape
-    if num_splits is None:
-        num_splits = default_num_splits(k_cache.shape[2], page_table.shape[0], q.device)
-    ws_acc, ws_ml = attention_workspace(nh, d, num_splits, q.device)
-    out = torch.empty(nh, d, dtype=torch.float16, device=q.device)
-    _ops().paged_attention(out, ws_acc, ws_ml, q, k_cache, v_cache, page_table, pos)
-    return out
 
 
 def sample_token(logits: torch.Tensor, ctx_tokens: torch.Tensor, pos: torch.Tensor,

@@ -2,19 +2,20 @@
 A/B measurements (README, "measurement switches"; the numbers are in benchmarks/RESULTS.md).
 
     NANOQWEN_PDL=0|1           programmatic dependent launch, default 1 (on)    csrc/common.cuh
-    NANOQWEN_FUSE_NORM=0|1     RMSNorm inside the GEMV prologues, default 0      backends/cuda.py
     NANOQWEN_ATTN_MIN_PPS=n    attention_decode's minimum KV pages per split,    backends/cuda.py
                                n = 1..8192 in decimal digits, default 2
 
 Unset or empty means the default; any other value raises SwitchError naming the variable, the
 value and what is allowed, because a typo that silently measured the default would be a wrong
-result, not a crash. The CUDA backend calls read_switches() before it builds or loads the
-kernels. This is the only reader of NANOQWEN_ATTN_MIN_PPS: the backend passes the value to
-the attention_decode op as its min_pps argument (the op rejects anything outside 0..8192, 0
-meaning its default). The C++ side reads NANOQWEN_PDL itself, once per process, with the same
-rules, and takes a malformed value as the default (it cannot raise): this check is what a user
-sees. The C++ constants are kDecMinPpsDefault / kDecMinPpsMax in csrc/kernels.h;
-tests/test_switches.py keeps the two sides equal.
+result, not a crash. For the same reason a removed switch that is still set (NANOQWEN_FUSE_NORM:
+its fused-norm GEMVs measured slower end to end and moved to benchmarks/lab/) is an error, not
+ignored. The CUDA backend calls read_switches() before it builds or loads the kernels. This is
+the only reader of NANOQWEN_ATTN_MIN_PPS: the backend passes the value to the attention_decode
+op as its min_pps argument (the op rejects anything outside 0..8192, 0 meaning its default).
+The C++ side reads NANOQWEN_PDL itself, once per process, with the same rules, and takes a
+malformed value as the default (it cannot raise): this check is what a user sees. The C++
+constants are kDecMinPpsDefault / kDecMinPpsMax in csrc/kernels.h; tests/test_switches.py
+keeps the two sides equal.
 """
 
 from __future__ import annotations
@@ -27,8 +28,13 @@ from dataclasses import dataclass
 from .errors import NanoqwenError
 
 PDL = "NANOQWEN_PDL"
-FUSE_NORM = "NANOQWEN_FUSE_NORM"
 ATTN_MIN_PPS = "NANOQWEN_ATTN_MIN_PPS"
+# switches that existed and were removed: variable -> why (read_switches refuses them when set)
+REMOVED = {
+    "NANOQWEN_FUSE_NORM": "the fused-norm GEMVs it selected decoded at 1.93 ms/token against 1.89 "
+                          "with separate rmsnorm launches and moved to benchmarks/lab/ "
+                          "(benchmarks/RESULTS.md)",
+}
 
 ATTN_MIN_PPS_DEFAULT = 2
 # 8192 pages = 131072 tokens, 4x the Qwen2.5-Coder context: a value at or above a context's page
@@ -45,7 +51,6 @@ class SwitchError(NanoqwenError, ValueError):
 @dataclass(frozen=True)
 class Switches:
     pdl: bool = True            # NANOQWEN_PDL
-    fuse_norm: bool = False     # NANOQWEN_FUSE_NORM
     attn_min_pps: int = ATTN_MIN_PPS_DEFAULT  # NANOQWEN_ATTN_MIN_PPS
 
 
@@ -64,8 +69,7 @@ def _min_pps(env: Mapping[str, str]) -> int:
     if v == "":
         return ATTN_MIN_PPS_DEFAULT
     # ASCII digits only (no sign, space, '_' or other Unicode digits, all of which int() takes),
-    # leading zeros allowed: exactly what the C++ reader in attention.cu accepts. The pattern
-    # bounds the length, so int() never sees a huge string.
+    # leading zeros allowed. The pattern bounds the length, so int() never sees a huge string.
     if not re.fullmatch(r"0*[1-9][0-9]{0,3}", v) or int(v.lstrip("0")) > ATTN_MIN_PPS_MAX:
         raise SwitchError(f"{ATTN_MIN_PPS}={v!r} is not allowed: use a whole number of KV pages "
                           f"per split from 1 to {ATTN_MIN_PPS_MAX}, or leave it unset "
@@ -74,7 +78,9 @@ def _min_pps(env: Mapping[str, str]) -> int:
 
 
 def read_switches(env: Mapping[str, str] | None = None) -> Switches:
-    """The three switches from `env` (default os.environ), validated; raises SwitchError."""
+    """The switches from `env` (default os.environ), validated; raises SwitchError."""
     env = os.environ if env is None else env
-    return Switches(pdl=_flag(env, PDL, True), fuse_norm=_flag(env, FUSE_NORM, False),
-                    attn_min_pps=_min_pps(env))
+    for name, why in REMOVED.items():
+        if env.get(name, "") != "":
+            raise SwitchError(f"{name}={env[name]!r}: this switch was removed ({why}); unset it")
+    return Switches(pdl=_flag(env, PDL, True), attn_min_pps=_min_pps(env))

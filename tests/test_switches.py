@@ -1,7 +1,7 @@
 """The measurement switches (engine/switches.py): every accepted and rejected form of
-NANOQWEN_PDL, NANOQWEN_FUSE_NORM and NANOQWEN_ATTN_MIN_PPS, the C++ side's constants, and a bad
-value reaching the user as a message (CUDA backend init, loader, CLI, app) instead of a
-traceback or a silent fallback. CPU only: where a path needs CUDA, torch.cuda.is_available is
+NANOQWEN_PDL and NANOQWEN_ATTN_MIN_PPS, the removed NANOQWEN_FUSE_NORM refused when set, the C++
+side's constants, and a bad value reaching the user as a message (CUDA backend init, loader,
+CLI, app) instead of a traceback or a silent fallback. CPU only: where a path needs CUDA, torch.cuda.is_available is
 patched to True and the check fires before anything touches the device."""
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from nanoqwen import REPO_ROOT
 from nanoqwen.engine import loader
 from nanoqwen.engine.cli import main
 from nanoqwen.engine.errors import BackendUnavailable, NanoqwenError
-from nanoqwen.engine.switches import (ATTN_MIN_PPS, ATTN_MIN_PPS_DEFAULT, ATTN_MIN_PPS_MAX,
-                                      FUSE_NORM, PDL, SwitchError, Switches, read_switches)
+from nanoqwen.engine.switches import (ATTN_MIN_PPS, ATTN_MIN_PPS_DEFAULT, ATTN_MIN_PPS_MAX, PDL,
+                                      REMOVED, SwitchError, Switches, read_switches)
 
-FLAGS = [(PDL, "pdl", True), (FUSE_NORM, "fuse_norm", False)]  # (variable, field, default)
-ALL = (PDL, FUSE_NORM, ATTN_MIN_PPS)
+FLAGS = [(PDL, "pdl", True)]  # (variable, field, default)
+FUSE_NORM = "NANOQWEN_FUSE_NORM"  # removed: refused when set
+ALL = (PDL, ATTN_MIN_PPS, *REMOVED)
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def env(monkeypatch):
 
 
 def test_defaults_when_unset_or_empty(env):
-    assert read_switches() == Switches(pdl=True, fuse_norm=False, attn_min_pps=2)
+    assert read_switches() == Switches(pdl=True, attn_min_pps=2)
     for name in ALL:
         env(name, "")
     assert read_switches() == Switches()
@@ -80,12 +81,26 @@ def test_min_pps_rejects_anything_else(env, value):
 
 def test_every_switch_is_checked_with_the_others_valid(env):
     env(PDL, "0")
-    env(FUSE_NORM, "1")
     env(ATTN_MIN_PPS, "5")
-    assert read_switches() == Switches(pdl=False, fuse_norm=True, attn_min_pps=5)
+    assert read_switches() == Switches(pdl=False, attn_min_pps=5)
     env(ATTN_MIN_PPS, "0")
     with pytest.raises(SwitchError, match=ATTN_MIN_PPS):
         read_switches()
+
+
+@pytest.mark.parametrize("value", ["0", "1", "yes"])
+def test_removed_fuse_norm_is_refused_when_set(env, value):
+    """NANOQWEN_FUSE_NORM selected the fused-norm GEMVs, which left the engine (benchmarks/lab/):
+    an old script that still sets it must not silently measure the default."""
+    assert FUSE_NORM in REMOVED
+    env(FUSE_NORM, "")
+    assert read_switches() == Switches()  # empty is unset
+    env(FUSE_NORM, value)
+    with pytest.raises(SwitchError) as ei:
+        read_switches()
+    msg = str(ei.value)
+    assert f"{FUSE_NORM}={value!r}" in msg and "removed" in msg and "benchmarks/lab" in msg
+    assert "unset it" in msg
 
 
 def test_switch_error_is_a_user_error_and_a_value_error():
@@ -146,8 +161,8 @@ def test_cuda_backend_checks_switches_before_loading_kernels(env, fake_cuda, tin
 def test_loader_does_not_fall_back_on_a_bad_switch(env, fake_cuda, tiny_model_path, backend):
     """A bad switch is the user's error, not "CUDA is unavailable": "auto" must not hide it
     behind the reference backend (which would measure nothing the switch asked for)."""
-    env(FUSE_NORM, "yes")
-    with pytest.raises(SwitchError, match="NANOQWEN_FUSE_NORM='yes'"):
+    env(PDL, "yes")
+    with pytest.raises(SwitchError, match="NANOQWEN_PDL='yes'"):
         loader.load(tiny_model_path, backend=backend)
     assert fake_cuda == []
 

@@ -334,8 +334,6 @@ class CudaBackend(Backend):
                                   dtype=torch.float32, device=dev)
         self.ws_ml = torch.zeros(c.num_attention_heads, self.num_splits, 2,
                                  dtype=torch.float32, device=dev)
-        # NANOQWEN_FUSE_NORM=1: norms inside the GEMV prologues (an A/B switch; csrc/engine.cu)
-        self._fuse_norm = self.switches.fuse_norm
         self._xn = torch.zeros(1, c.hidden_size, dtype=torch.float16, device=dev)
         # attention_decode's per-kv-head "last split merges" counters; it leaves them zero
         self.attn_counters = torch.zeros(c.num_key_value_heads, dtype=torch.int32, device=dev)
@@ -367,7 +365,7 @@ class CudaBackend(Backend):
         resident = self.prefill_weights == "resident"
         dense = [w for L in self.layers for w in L.dense] if resident else list(self._scratch)
         ints = [c.hidden_size, c.intermediate_size, c.num_attention_heads,
-                c.num_key_value_heads, c.head_dim, c.vocab_size, int(self._fuse_norm),
+                c.num_key_value_heads, c.head_dim, c.vocab_size, 0,  # 0: fuse_norm's old slot
                 self.attn_min_pps, self.num_splits, int(resident), PREFILL_CHUNK]
         self.core = torch.classes.nanoqwen.Engine(globals_, layers, dense, ints,
                                                   float(c.rms_norm_eps), self.stream.cuda_stream)

@@ -1,9 +1,9 @@
-"""compute-sanitizer memcheck and racecheck of the attention kernels at partial-page lengths
-(tests/gpu/sanitize_attention.py for paged_attention + rope_kv_write; this file, run as a
-script, for attention_decode), clean. Skipped where compute-sanitizer is absent."""
+"""compute-sanitizer memcheck and racecheck of attention_decode at partial-page lengths (this
+file, run as a script under the sanitizer), clean. Skipped where compute-sanitizer is absent."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -16,8 +16,6 @@ import torch
 pytestmark = [pytest.mark.cuda, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-SCRIPT = Path(__file__).with_name("sanitize_attention.py")
-
 
 def sanitizer_cmd(tool: str, script: Path) -> list[str]:
     exe = shutil.which("compute-sanitizer") or (
@@ -28,17 +26,6 @@ def sanitizer_cmd(tool: str, script: Path) -> list[str]:
     # only our attention kernels are instrumented (torch's own kernels are not under test)
     return [exe, "--tool", tool, "--error-exitcode", "99", "--kernel-name", "kns=attn_",
             sys.executable, str(script)]
-
-
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
-def test_attention_sanitizer_clean(tool):
-    cmd = sanitizer_cmd(tool, SCRIPT)
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    print(r.stdout[-4000:], r.stderr[-4000:])
-    assert r.returncode == 0, f"{tool} exit {r.returncode}"
-    assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr or tool == "racecheck"
-    if tool == "racecheck":
-        assert "RACECHECK SUMMARY: 0 hazards" in r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
@@ -55,8 +42,9 @@ def test_attention_decode_sanitizer_clean(tool):
 
 
 def _run_attention_decode() -> int:
-    """Standalone body for the sanitizer: attention_decode vs rope_kv_write + paged_attention
-    (same fp16 inputs, fp32 math in another order: within 2e-3); exits non-zero if wrong."""
+    """Standalone body for the sanitizer: attention_decode against an fp32 reference (within
+    2e-3 + 2e-3 |ref|, as test_attention_fused.py: fp32 math, the output rounded once to fp16)
+    and its cache write against rope_kv_write's (bit for bit); exits non-zero if wrong."""
     from nanoqwen.engine.build import load_extension
 
     load_extension()
@@ -80,17 +68,24 @@ def _run_attention_decode() -> int:
             k2, v2 = kc.clone(), vc.clone()
             q = torch.empty(1, nh, d, device="cuda").half()
             ops.rope_kv_write(q, k2, v2, qkv, cos, sin, pos, table)
-            ref = torch.empty(nh, d, device="cuda").half()
-            ops.paged_attention(ref, *ws, q[0], k2, v2, table, pos)
+            # fp32 attention of the rotated q over positions 0..min(pos, table end)
+            n = min(L, pages * page)
+            p = torch.arange(n, device="cuda")
+            kk = k2[table[p // page].long(), p % page].float().repeat_interleave(nh // nkv, 1)
+            vv = v2[table[p // page].long(), p % page].float().repeat_interleave(nh // nkv, 1)
+            sc = torch.einsum("hd,lhd->hl", q[0].float(), kk) / math.sqrt(d)
+            ref = torch.einsum("hl,lhd->hd", torch.softmax(sc, -1), vv)
             k1, v1 = kc.clone(), vc.clone()
             cnt = torch.zeros(nkv, dtype=torch.int32, device="cuda")
             out = torch.empty(nh, d, device="cuda").half()
             ops.attention_decode(out, *ws, cnt, qkv, k1, v1, cos, sin, table, pos, min_pps)
-            err = float((out.float() - ref.float()).abs().max())
+            dev = (out.float() - ref).abs()
+            close = bool((dev <= 2e-3 + 2e-3 * ref.abs()).all())
             same = bool(torch.equal(k1, k2) and torch.equal(v1, v2))
             print(f"d={d} nh={nh} nkv={nkv} L={L} splits={splits} min_pps={min_pps}: "
-                  f"max err {err:.2e} cache equal {same} counters {cnt.tolist()}")
-            ok &= err < 2e-3 and same and int(cnt.abs().sum()) == 0
+                  f"max err {float(dev.max()):.2e} close {close} cache equal {same} "
+                  f"counters {cnt.tolist()}")
+            ok &= close and same and int(cnt.abs().sum()) == 0
     torch.cuda.synchronize()
     return 0 if ok else 1
 

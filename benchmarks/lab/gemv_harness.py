@@ -1,32 +1,37 @@
-"""Build, check and time the GEMV kernels of csrc/gemv_*.cu without torch bindings (ctypes).
+"""Check and time the GEMV kernel variants of the lab (benchmarks/lab/gemv_*_lab.cu) through
+ctypes, without torch bindings.
 
 One command on the GPU machine:
-    python3 benchmarks/gemv_harness.py --out "$OUT"          # build, check, bench, table last
-    python3 benchmarks/gemv_harness.py --check-only          # correctness only
-It compiles csrc/gemv_int4.cu + csrc/gemv_fp16.cu with nvcc into a shared library (build dir:
-$GEMV_BUILD_DIR or /tmp/nanoqwen_gemv_build, rebuilt when a source is newer), then
+    python3 benchmarks/lab/gemv_harness.py --out "$OUT"          # build, check, bench, table last
+    python3 benchmarks/lab/gemv_harness.py --check-only          # correctness only
+It builds the lab library (benchmarks/lab/lab.py), then
 
-  check: every launcher and every benchmark variant against an fp32/fp64 PyTorch reference built
-         from engine/quant.py's dequantize, on fresh random data with awkward n (1, 3, 643 = 5*128+3
-         ...) and k from 128 to 27648; outputs poisoned with NaN first; bad arguments must fail
-         with a message carrying the numbers.
+  check: every int4 and fp16 variant, and the fused-norm launchers (gemv_int4_norm,
+         gemv_int4_silu_mul_norm, gemv_fp16_norm: what NANOQWEN_FUSE_NORM=1 ran until it was
+         removed) and their variants, against an fp32/fp64 PyTorch reference built from
+         engine/quant.py's dequantize, on fresh random data with awkward n (1, 3, 643 = 5*128+3
+         ...) and k from 128 to 27648; outputs poisoned with NaN first; bad arguments of the
+         lab-only entry points must fail with a message carrying the numbers. The production
+         launchers' checks are tests/gpu/test_gemv.py.
   bench: the 7B decode shapes, every variant, as a CUDA graph of many launches rotating among
          enough weight copies that the set is >= 4x the 50 MB L2; median over replays; GB/s
          counts every byte a launch must move (weights + scales + x + output) against the
-         measured 4276 GB/s device copy bandwidth.
+         measured 4276 GB/s device copy bandwidth. "LAUNCHER" rows time the lab's copies of the
+         launchers of commit 2047cf7, i.e. the kernel instances csrc/gemv_int4.cu runs (its
+         kInt4Table); benchmarks/bench_step.py times the production ops themselves.
 
-Tolerances (relative L2 error ||out - ref|| / ||ref||, ref in fp64 from the same fp16 inputs):
-  half outputs: 2e-3. Output rounding alone is ~3e-4 rms; products of exact q (-7..7) with fp16 x
-                rounded to fp16 and summed 4 deep in fp16 add about as much again; 2e-3 leaves 3x.
+Tolerances (relative L2 error ||out - ref|| / ||ref||, or against the rounding-error scale where
+a single row can cancel; ref in fp64 from the same fp16 inputs):
+  half outputs: 2e-3. Output rounding alone is ~3e-4 rms; the v2/v4 variants sum products of
+                exact q (-7..7) and fp16 x four deep in fp16 before fp32 (~4e-4 more); 2e-3
+                leaves 3x. (The tensor-core variants sum in fp32 and sit at the rounding alone.)
   fp32 outputs with the fp16-product variants: 2e-3, same reason minus the output rounding.
   gemv_fp16 (fp32 products and sums of exact fp16 values): 1e-5 (fp32 summation over k <= 27648).
-  dequant_int4: bit-exact ((u-8)*s is exact before its one rounding, as in the reference).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import importlib.util
 import json
@@ -41,9 +46,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-SOURCES = [REPO / "csrc" / "gemv_int4.cu", REPO / "csrc" / "gemv_fp16.cu"]
-HEADER = REPO / "csrc" / "gemv.h"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lab import REPO, Lab, ptr, stream  # noqa: E402  (benchmarks/lab/lab.py)
+from lab import build as build_lab  # noqa: E402
+
 COPY_GBPS = 4276.0  # H200 device-to-device copy, read + write (../shared/design/GPU.md)
 L2_BYTES = 50 * 2**20
 
@@ -63,6 +69,14 @@ def log(*a):
         _log_file.flush()
 
 
+def load_lib() -> Lab:
+    lib = Lab(build_lab())
+    lib.only = None  # --variants: a regex; checks and timings of other variants are skipped
+    lib.sel = lambda names: [(i, n) for i, n in enumerate(names)  # (index, name) selected
+                             if lib.only is None or re.search(lib.only, n)]
+    return lib
+
+
 def load_quant():
     try:  # the installed package (engine/quant.py uses package-relative imports)
         from nanoqwen.engine import quant
@@ -73,89 +87,6 @@ def load_quant():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def build() -> Path:
-    bdir = Path(os.environ.get("GEMV_BUILD_DIR", "/tmp/nanoqwen_gemv_build"))
-    bdir.mkdir(parents=True, exist_ok=True)
-    lib = bdir / "libgemv.so"
-    newest = max(p.stat().st_mtime for p in SOURCES + [HEADER])
-    if lib.exists() and lib.stat().st_mtime > newest and not os.environ.get("GEMV_REBUILD"):
-        return lib
-    objs = []
-    procs = []
-    flags = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC",
-             "-Xptxas", "-v"]
-    t0 = time.time()
-    for src in SOURCES:  # compile in parallel, then link
-        obj = bdir / (src.stem + ".o")
-        objs.append(obj)
-        procs.append((src, subprocess.Popen(["nvcc", *flags, "-c", str(src), "-o", str(obj)],
-                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-    for src, p in procs:
-        out, _ = p.communicate()
-        (bdir / (src.stem + ".ptxas.txt")).write_text(out)
-        if p.returncode:
-            sys.exit(f"nvcc failed on {src.name}:\n{out}")
-    subprocess.run(["nvcc", "-shared", "-o", str(lib), *map(str, objs)], check=True)
-    log(f"built {lib} in {time.time() - t0:.1f} s")
-    return lib
-
-
-class Lib:
-    def __init__(self, path: Path):
-        L = ctypes.CDLL(str(path))
-        P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-        sig = {
-            "gemv_int4": [P, P, P, P, P, I, I, P],
-            "gemv_int4_residual": [P, P, P, P, I, I, P],
-            "gemv_int4_silu_mul": [P, P, P, P, P, P, I, I, P],
-            "gemv_fp16": [P, P, P, I, I, P],
-            "dequant_int4": [P, P, P, I, I, P],
-            "gemv_int4_bench": [I, I, P, P, P, P, P, P, P, I, I, P],
-            "gemv_fp16_bench": [I, P, P, P, I, I, P],
-            "gemv_int4_norm": [P, P, P, F, P, P, P, I, I, P],
-            "gemv_int4_silu_mul_norm": [P, P, P, F, P, P, P, P, I, I, P],
-            "gemv_fp16_norm": [P, P, P, F, P, I, I, P],
-            "gemv_int4_norm_bench": [I, I, P, P, P, F, P, P, P, P, P, I, I, P],
-            "gemv_fp16_norm_bench": [I, P, P, P, F, P, I, I, P],
-        }
-        for name, args in sig.items():
-            f = getattr(L, name)
-            f.argtypes, f.restype = args, ctypes.c_int
-        for name in ("gemv_int4_variant_count", "gemv_fp16_variant_count"):
-            getattr(L, name).restype = ctypes.c_int
-        L.gemv_int4_variant_supports_norm.restype = ctypes.c_int
-        L.gemv_int4_variant_supports_norm.argtypes = [ctypes.c_int]
-        for name in ("gemv_int4_variant_name", "gemv_fp16_variant_name"):
-            getattr(L, name).restype = ctypes.c_char_p
-            getattr(L, name).argtypes = [ctypes.c_int]
-        L.gemv_last_error_message.restype = ctypes.c_char_p
-        self.L = L
-        self.int4_variants = [L.gemv_int4_variant_name(i).decode() for i in range(L.gemv_int4_variant_count())]
-        self.fp16_variants = [L.gemv_fp16_variant_name(i).decode() for i in range(L.gemv_fp16_variant_count())]
-        self.int4_norm_variants = [i for i in range(len(self.int4_variants)) if L.gemv_int4_variant_supports_norm(i)]
-        self.only = None  # --variants: a regex; checks and timings of other variants are skipped
-
-    def sel(self, names):
-        """(index, name) of the variants in `names` that --variants selects (all without it)."""
-        return [(i, n) for i, n in enumerate(names) if self.only is None or re.search(self.only, n)]
-
-    def call(self, name, *args):
-        rc = getattr(self.L, name)(*args)
-        if rc != 0:
-            raise RuntimeError(f"{name} returned cudaError {rc}: {self.L.gemv_last_error_message().decode()}")
-
-    def msg(self) -> str:
-        return self.L.gemv_last_error_message().decode()
-
-
-def ptr(t):
-    return None if t is None else t.data_ptr()
-
-
-def stream():
-    return torch.cuda.current_stream().cuda_stream
 
 
 # ---- data ---------------------------------------------------------------------------------------
@@ -202,7 +133,7 @@ def silu_ref(w, wu, x, ref, refu):
 
 
 # ---- correctness --------------------------------------------------------------------------------
-def check(lib: Lib, quant) -> list[str]:
+def check(lib: Lab, quant) -> list[str]:
     fails = []
     gen = torch.Generator().manual_seed(int(time.time()))  # fresh data every run
 
@@ -211,47 +142,6 @@ def check(lib: Lib, quant) -> list[str]:
         log(f"  {'ok  ' if ok else 'FAIL'} {name}: rel err {err:.2e} (tol {tol:.0e})")
         if not ok:
             fails.append(f"{name}: {err:.2e} > {tol:.0e}")
-
-    # realistic weights through quant.quantize once (the exact conversion path of the engine)
-    wreal = torch.randn(643, 896, generator=gen) * 0.02
-    qw_r, sc_r = quant.quantize(wreal)
-    w_r = quant.dequantize(qw_r, sc_r).cuda()
-    qw_r, sc_r = qw_r.cuda(), sc_r.cuda()
-
-    shapes = [(1, 128), (3, 256), (643, 896), (77, 1152), (643, 3584), (4608, 3584), (37, 18944),
-              (29, 27648), (643, 18944)]
-    log("== correctness: launchers (default variant) ==")
-    cases = [("quantize(randn)", 643, 896, qw_r, sc_r, w_r)] + [
-        (f"{n}x{k}", n, k, *rand_int4(quant, n, k, gen)) for n, k in shapes]
-    for label, n, k, qw, sc, w in cases:
-        x = (torch.randn(k, generator=gen)).half().cuda()
-        ref = w.double() @ x.double()
-        # errors against the rounding-error scale (scaled_err), not |ref|
-        sc_ = dot_scale(w, x)
-        bias = (torch.randn(n, generator=gen) * 0.5).half().cuda()
-        y = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
-        lib.call("gemv_int4", ptr(y), ptr(x), ptr(qw), ptr(sc), ptr(bias), n, k, stream())
-        expect(f"gemv_int4 {label} +bias", scaled_err(y, ref + bias.double(), sc_ + (ref + bias.double()).abs()), TOL_HALF)
-        lib.call("gemv_int4", ptr(y), ptr(x), ptr(qw), ptr(sc), None, n, k, stream())
-        expect(f"gemv_int4 {label} nobias", scaled_err(y, ref, sc_ + ref.abs()), TOL_HALF)
-        h0 = torch.randn(n, device="cuda") * 3
-        h = h0.clone()
-        lib.call("gemv_int4_residual", ptr(h), ptr(x), ptr(qw), ptr(sc), n, k, stream())
-        expect(f"gemv_int4_residual {label}", scaled_err(h - h0, ref, sc_ + ref.abs()), TOL_F32_INT4)
-        # up matrix: a shuffled copy of the rows, so gate != up
-        perm = torch.randperm(n, generator=gen).cuda()
-        qu, su, wu = qw[perm].contiguous(), sc[perm].contiguous(), w[perm]
-        o = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
-        lib.call("gemv_int4_silu_mul", ptr(o), ptr(x), ptr(qw), ptr(sc), ptr(qu), ptr(su), n, k, stream())
-        ref_s, scale_s = silu_ref(w, wu, x, ref, wu.double() @ x.double())
-        expect(f"gemv_int4_silu_mul {label}", scaled_err(o, ref_s, scale_s), TOL_HALF)
-        d = torch.full((n, k), float("nan"), dtype=torch.float16, device="cuda")
-        lib.call("dequant_int4", ptr(d), ptr(qw), ptr(sc), n, k, stream())
-        exact = torch.equal(d.view(torch.int16), w.half().view(torch.int16))
-        log(f"  {'ok  ' if exact else 'FAIL'} dequant_int4 {label}: bit-exact={exact}")
-        if not exact:
-            fails.append(f"dequant_int4 {label} not bit-exact")
-    torch.cuda.synchronize()
 
     log("== correctness: every int4 variant x op ==")
     for n, k in [(643, 3584), (5, 18944), (1, 896), (29, 27648)]:
@@ -265,7 +155,7 @@ def check(lib: Lib, quant) -> list[str]:
             x = x.half().cuda()
             ref = w.double() @ x.double()
             refu = wu.double() @ x.double()
-            # silu(g)*u against its rounding-error scale (as the launcher checks above): a 1-row case
+            # silu(g)*u against its rounding-error scale (as tests/gpu/test_gemv.py): a 1-row case
             # with outliers can cancel to near zero (run 7: 2.06e-3 of |ref| in every variant alike)
             ref_s, scale_s = silu_ref(w, wu, x, ref, refu)
             for v, vname in lib.sel(lib.int4_variants):
@@ -293,9 +183,6 @@ def check(lib: Lib, quant) -> list[str]:
             out = torch.full((n,), float("nan"), device="cuda")
             lib.call("gemv_fp16_bench", v, ptr(out), ptr(x), ptr(w), n, k, stream())
             expect(f"gemv_fp16 {vname} {n}x{k}", rel_err(out, ref), TOL_FP16)
-        out = torch.full((n,), float("nan"), device="cuda")
-        lib.call("gemv_fp16", ptr(out), ptr(x), ptr(w), n, k, stream())
-        expect(f"gemv_fp16 launcher {n}x{k}", rel_err(out, ref), TOL_FP16)
 
     log("== correctness: fused RMSNorm launchers and every norm-capable variant ==")
     # x = half(norm_w * (hidden * r)), r = rsqrt(mean(hidden^2) + eps): the rmsnorm kernel's
@@ -386,13 +273,9 @@ def check(lib: Lib, quant) -> list[str]:
     y = torch.empty(8, dtype=torch.float16, device="cuda")
     f32 = torch.empty(8, device="cuda")
     f32h = torch.randn(4096, device="cuda")
-    bad = [
-        ("k=100", lambda: lib.L.gemv_int4(ptr(y), ptr(x), ptr(qw), ptr(sc), None, 8, 100, stream()), "k=100"),
-        ("n=0", lambda: lib.L.gemv_int4_residual(ptr(f32), ptr(x), ptr(qw), ptr(sc), 0, 256, stream()), "n=0"),
-        ("misaligned x", lambda: lib.L.gemv_int4_silu_mul(ptr(y), ptr(x) + 2, ptr(qw), ptr(sc), ptr(qw), ptr(sc), 8, 256, stream()), "aligned"),
-        ("null up", lambda: lib.L.gemv_int4_silu_mul(ptr(y), ptr(x), ptr(qw), ptr(sc), None, ptr(sc), 8, 256, stream()), "up matrix"),
-        ("fp16 k=12", lambda: lib.L.gemv_fp16(ptr(f32), ptr(x), ptr(x), 1, 12, stream()), "k=12"),
-        ("dequant k=200", lambda: lib.L.dequant_int4(ptr(y), ptr(qw), ptr(sc), 1, 200, stream()), "k=200"),
+    bad = [  # the lab-only entry points (the production launchers': tests/gpu/test_gemv.py)
+        ("variant=-1", lambda: lib.L.gemv_int4_bench(-1, OP_STORE, ptr(y), ptr(x), ptr(qw), ptr(sc), None, None, None, 8, 256, stream()), "variant=-1"),
+        ("fp16 variant=99", lambda: lib.L.gemv_fp16_bench(99, ptr(f32), ptr(x), ptr(x), 1, 256, stream()), "variant=99"),
         ("norm k=200", lambda: lib.L.gemv_int4_norm(ptr(y), ptr(f32h), ptr(x), 1e-6, ptr(qw), ptr(sc), None, 8, 200, stream()), "k=200"),
         ("norm eps=0", lambda: lib.L.gemv_int4_norm(ptr(y), ptr(f32h), ptr(x), 0.0, ptr(qw), ptr(sc), None, 8, 256, stream()), "eps=0"),
         ("silu norm null hidden", lambda: lib.L.gemv_int4_silu_mul_norm(ptr(y), None, ptr(x), 1e-6, ptr(qw), ptr(sc), ptr(qw), ptr(sc), 8, 256, stream()), "null"),
@@ -467,7 +350,7 @@ def time_eager(launch, ncopies, launches=200):
     return e0.elapsed_time(e1) * 1e3 / launches
 
 
-def bench(lib: Lib, results: dict):
+def bench(lib: Lab, results: dict):
     # ceilings on this very machine first
     a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -602,7 +485,7 @@ def bench(lib: Lib, results: dict):
     return rows
 
 
-def layer_seq(lib: Lib, layers=8, sets=4) -> dict:
+def layer_seq(lib: Lab, layers=8, sets=4) -> dict:
     """The decode step's GEMV chain per layer, launchers only: qkv (norm) -> o_proj (residual) ->
     gate/up (norm, silu) -> down (residual), `layers` layers as one CUDA graph cycling over `sets`
     weight sets (4 x 120 MB > 4x L2). PDL on/off is fixed per process (NANOQWEN_PDL, read once)."""
@@ -649,7 +532,7 @@ def main():
     _log_file = open(out / "gemv_log.txt", "w")
     if not torch.cuda.is_available():
         sys.exit("gemv_harness: no CUDA device")
-    lib = Lib(build())
+    lib = load_lib()
     lib.only = args.variants
     if args.layer_seq_only:
         print("LAYER_SEQ " + json.dumps(layer_seq(lib)), flush=True)
@@ -659,8 +542,8 @@ def main():
     results = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
                    commit=commit, torch=torch.__version__)
     log(f"device {results['device']}, {results['date']}, commit {commit}, torch {torch.__version__}")
-    bdir = Path(os.environ.get("GEMV_BUILD_DIR", "/tmp/nanoqwen_gemv_build"))
-    for f in bdir.glob("*.ptxas.txt"):
+    bdir = Path(os.environ.get("NANOQWEN_LAB_BUILD", "/tmp/nanoqwen_lab_build"))
+    for f in bdir.glob("gemv*.ptxas.txt"):
         regs = [ln.strip() for ln in f.read_text().splitlines() if "registers" in ln or "spill" in ln]
         (out / "ptxas.txt").open("a").write(f"{f.name}\n" + "\n".join(regs) + "\n")
     fails = [] if args.bench_only else check(lib, quant)
