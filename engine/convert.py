@@ -9,11 +9,12 @@ tokenizer's ids fit the model's vocabulary. Then the tensors stream to `write_mo
 - Shards are read one at a time with plain reads (no mmap), in file order; a shard is closed
   before the next is opened, so no shard stays mapped or counted in the process's RSS.
 - A tensor is read and converted in row blocks of about BLOCK_ELEMS elements: only its output
-  (fp16, or INT4 qweight + scales) is whole in memory, plus one block's temporaries. So the
-  process holds about the largest output tensor (the 7B embedding: 1.09 GB fp16) plus ~100 MB,
-  never a bf16 source + fp32 copy + .abs() temporary of the embedding at once.
-  Measured (benchmarks/bench_convert.py, 1.5B shapes, bf16, 4 shards, 2-core machine, peak RSS
-  as `/usr/bin/time -v` reports it): see benchmarks/RESULTS.md, "Converter memory".
+  (fp16, or INT4 qweight + scales) is whole in memory, plus one block's temporaries (~70 MB,
+  measured). So the process holds about the largest output tensor (the 7B embedding: 1.09 GB
+  fp16) plus that, never a bf16 source + fp32 copy + .abs() temporary of the embedding at once.
+  Measured with benchmarks/bench_convert.py (peak RSS as `/usr/bin/time -v` reports it, bf16
+  checkpoints in 4 shards): 1.5B shapes 0.71 GiB (3.50 GiB before this layout), 1.6x its
+  467 MB embedding; 0.5B shapes 0.52 GiB (1.87 GiB before). benchmarks/RESULTS.md has the runs.
 
 Precision: the seven projections are quantized from the source values upcast to fp32 (not
 via fp16, which would round twice); everything else is stored fp16, and a value beyond
@@ -46,10 +47,10 @@ from .quant import quantize
 from .tokenizer import DEFAULT_STOP_TOKENS, check_token_ids
 
 FP16_MAX = 65504.0
-# Elements converted at once. quantize() keeps ~28 bytes per element alive at its peak (fp32
-# copy, |w|, w/s, rounded, clamped, int64 codes), so a block costs ~60 MB; each temporary is
-# <= 16 MB, under glibc's 32 MB mmap threshold, so freed blocks are reused from the heap
-# instead of being mapped (and page-faulted) afresh for every block.
+# Elements converted at once. quantize() grows the peak by ~35 bytes per element (measured with
+# ru_maxrss: 69 MiB for a 2.1M-element block, k = 1536 or 8960: its fp32 temporaries and int64
+# codes), and each temporary stays <= 16 MB, under glibc's 32 MB dynamic mmap threshold, so
+# freed blocks can be reused from the heap instead of being mapped afresh for every block.
 BLOCK_ELEMS = 1 << 21
 ROW_CHUNK = 2048  # rows drawn at once by the synthetic writer (its random stream depends on it)
 INIT_STD = 0.02   # transformers' Qwen2 initializer_range
