@@ -15,6 +15,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -198,6 +199,18 @@ async def test_esc_stops_keeps_partial_reply_and_keys_work_while_streaming(dirs,
     app = NanoqwenApp(model=tiny_model_path)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(app, pilot)
+        # The real engine, paced by the test: each token waits for a permit, so the reply is
+        # still streaming when Esc comes however fast this machine decodes (unpaced, a fast
+        # engine filled the context first and the turn ended "context").
+        be = app.engine.backend
+        permits, unpaced = threading.Semaphore(0), be.generate
+
+        def paced(*a, **k):
+            for ev in unpaced(*a, **k):
+                permits.acquire(timeout=60)
+                yield ev
+        be.generate = paced
+        permits.release(80)
         box = app.chat.query_one("#messages")
         await send(app, pilot, "go on")
         r = app.chat.last_reply
@@ -213,10 +226,13 @@ async def test_esc_stops_keeps_partial_reply_and_keys_work_while_streaming(dirs,
         box.scroll_home(animate=False)
         await pilot.pause(0.2)
         n = len(r.text)
+        permits.release(80)
         await wait_for(pilot, lambda: len(r.text) > n + 10, 30, "more text")
         assert box.scroll_y < box.max_scroll_y - 5
         await pilot.press("escape")
+        permits.release(8)   # the paced token yields; the session sees the cancel after it
         await reply_done(app, pilot)
+        be.generate = unpaced
         m = app.store.messages(app.chat.chat_id)[-1]
         assert m.role == "assistant" and m.finish == "cancelled"
         assert m.content == r.widget.source == r.text and len(m.content) > 20
