@@ -18,30 +18,34 @@ namespace {
 // is for a raw CUDA call of this file (no inner message), wrap() adds the decode step's context
 // (which layer, which op, the numbers) in front of the launcher's message. Both end in the CUDA
 // error's name, as engine messages always have.
+std::string vformat(const char* fmt, va_list ap) {
+  char buf[512];
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  return buf;
+}
+
 #if defined(__GNUC__)
 __attribute__((format(printf, 2, 3)))
 #endif
 cudaError_t record(cudaError_t e, const char* fmt, ...) {
-  char buf[512];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(buf, sizeof(buf), fmt, ap);
+  const std::string what = vformat(fmt, ap);
   va_end(ap);
-  return nq_fail(e, "%s: %s", buf, cudaGetErrorString(e));
+  return nq_fail(e, "%s: %s", what.c_str(), cudaGetErrorString(e));
 }
 
 #if defined(__GNUC__)
 __attribute__((format(printf, 2, 3)))
 #endif
 cudaError_t wrap(cudaError_t e, const char* fmt, ...) {
-  char buf[512];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(buf, sizeof(buf), fmt, ap);
+  const std::string what = vformat(fmt, ap);
   va_end(ap);
   const std::string inner = take_last_error();
-  if (inner.empty()) return nq_fail(e, "%s: %s", buf, cudaGetErrorString(e));
-  return nq_fail(e, "%s (%s): %s", buf, inner.c_str(), cudaGetErrorString(e));
+  if (inner.empty()) return nq_fail(e, "%s: %s", what.c_str(), cudaGetErrorString(e));
+  return nq_fail(e, "%s (%s): %s", what.c_str(), inner.c_str(), cudaGetErrorString(e));
 }
 
 #define NQ_TRY(call, ...)                                 \

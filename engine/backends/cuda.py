@@ -348,9 +348,10 @@ class CudaBackend(Backend):
             self._scratch = self._dequant_layer(self.layers[0], None)
 
     # --- the engine core -------------------------------------------------------------------------
-    def _make_core(self) -> None:
-        """torch.classes.nanoqwen.Engine over every buffer and weight (csrc/bindings.cpp checks
-        each one's dtype, shape and device and says which is wrong)."""
+    def core_args(self, n_layers: int | None = None) -> tuple[list, list, list, list[int]]:
+        """(globals, layers, dense, ints) for torch.classes.nanoqwen.Engine, in the order
+        csrc/bindings.cpp documents above the class: every buffer and weight of this backend
+        (the first n_layers layers only, when given: tests build a core of one layer)."""
         c = self.config
         globals_ = [self.embed, self.norm, self.lm_head, self.hidden, self._xn, self.qkv,
                     self.attn, self.act, self.logits, self.work, self.ws_acc, self.ws_ml,
@@ -358,17 +359,23 @@ class CudaBackend(Backend):
                     self.pos, self.sampled, self.counter, self.ctx_tokens, self.params_f,
                     self.params_i, self.stops]
         layers = []
-        for li, L in enumerate(self.layers):
+        for li, L in enumerate(self.layers[:n_layers]):
             layers += [L.ln1, L.ln2, L.qkv_qw, L.qkv_sc, L.qkv_b, L.o_qw, L.o_sc, L.gate_qw,
                        L.gate_sc, L.up_qw, L.up_sc, L.down_qw, L.down_sc, self.k_layers[li],
                        self.v_layers[li]]
         resident = self.prefill_weights == "resident"
-        dense = [w for L in self.layers for w in L.dense] if resident else list(self._scratch)
+        dense = [w for L in self.layers[:n_layers] for w in L.dense] if resident \
+            else list(self._scratch)
         ints = [c.hidden_size, c.intermediate_size, c.num_attention_heads,
                 c.num_key_value_heads, c.head_dim, c.vocab_size, 0,  # 0: fuse_norm's old slot
                 self.attn_min_pps, self.num_splits, int(resident), PREFILL_CHUNK]
-        self.core = torch.classes.nanoqwen.Engine(globals_, layers, dense, ints,
-                                                  float(c.rms_norm_eps), self.stream.cuda_stream)
+        return globals_, layers, dense, ints
+
+    def _make_core(self) -> None:
+        """torch.classes.nanoqwen.Engine over every buffer and weight (csrc/bindings.cpp checks
+        each one's dtype, shape and device and says which is wrong)."""
+        self.core = torch.classes.nanoqwen.Engine(*self.core_args(), float(self.config.rms_norm_eps),
+                                                  self.stream.cuda_stream)
 
     def _capture(self) -> None:
         """Warm up eagerly once (module loading, shared-memory attributes) and capture one step
@@ -496,8 +503,8 @@ class CudaBackend(Backend):
             my_id = self._gen_id
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream), \
                     torch.inference_mode():
-                self.core.begin_turn([])  # the previous turn's steps are done before we touch
-                self.cache.rollback(n0)   # pages or parameters
+                self.core.finish()        # a suspended turn's launcher stopped, its steps done,
+                self.cache.rollback(n0)   # before pages or parameters change
                 self._reserve(n0 + t + steps_max)
                 self.seed = self._set_params(params)
                 self.counter.zero_()
@@ -537,7 +544,6 @@ class CudaBackend(Backend):
                             or len(self.kv_tokens) >= self.max_context):
                         done = True
                         break
-                self.core.consumed(idx)
                 self.cache.length = len(self.kv_tokens)
                 yield chunk
                 if done or (cancel is not None and cancel.is_set()):

@@ -413,18 +413,7 @@ def test_engine_core_rejects_bad_tensors(untied):
     """The C++ core checks what it is given and names the tensor and the numbers."""
     _, cuda = untied
     c = cuda.config
-    g = [cuda.embed, cuda.norm, cuda.lm_head, cuda.hidden, cuda._xn, cuda.qkv, cuda.attn,
-         cuda.act, cuda.logits, cuda.work, cuda.ws_acc, cuda.ws_ml, cuda.attn_counters,
-         cuda.cos, cuda.sin, cuda.page_table, cuda.token_in, cuda.pos, cuda.sampled,
-         cuda.counter, cuda.ctx_tokens, cuda.params_f, cuda.params_i, cuda.stops]
-    L = cuda.layers[0]
-    layer = [L.ln1, L.ln2, L.qkv_qw, L.qkv_sc, L.qkv_b, L.o_qw, L.o_sc, L.gate_qw, L.gate_sc,
-             L.up_qw, L.up_sc, L.down_qw, L.down_sc, cuda.k_layers[0], cuda.v_layers[0]]
-    dense = [torch.empty(n, k, dtype=torch.float16, device="cuda") for n, k in (
-        (c.q_size + 2 * c.kv_size, c.hidden_size), (c.hidden_size, c.q_size),
-        (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size))]
-    ints = [c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
-            c.head_dim, c.vocab_size, 0, 0, cuda.num_splits, 0, 2048]
+    g, layer, dense, ints = cuda.core_args(n_layers=1)  # what the backend gives its own core
     Engine = torch.classes.nanoqwen.Engine
     s = cuda.stream.cuda_stream
     Engine(g, layer, dense, ints, 1e-6, s)  # the good arguments are accepted
