@@ -89,6 +89,46 @@ def cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
+class OtherLoad:
+    """CPU that processes other than this one used while it ran (in cores; None where
+    /proc/stat is missing): a turn measured on a busy machine is marked, not trusted."""
+
+    def __init__(self) -> None:
+        self.t0, self.busy0, self.own0 = time.perf_counter(), self._busy(), self._own()
+
+    @staticmethod
+    def _busy() -> float | None:
+        try:
+            f = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        except OSError:
+            return None
+        user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in f[:8])
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def cores(self) -> float | None:
+        busy = self._busy()
+        if busy is None or self.busy0 is None:
+            return None
+        wall = time.perf_counter() - self.t0
+        return max(0.0, (busy - self.busy0) - (self._own() - self.own0)) / wall if wall else None
+
+
+async def wait_quiet(max_cores: float, timeout: float) -> None:
+    """Wait (up to `timeout` s) until other processes use less than `max_cores` CPU."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        load = OtherLoad()
+        await asyncio.sleep(1.0)
+        cores = load.cores()
+        if cores is None or cores < max_cores:
+            return
+
+
 def find_engine(app):
     """(backend, tokenizer) of the engine the app loaded, or (None, None)."""
     for name in ("engine", "service", "bridge"):
@@ -140,6 +180,7 @@ class ScreenClock:
 def engine_turn(session, text: str, params, n: int) -> dict:
     from nanoqwen.engine.session import Stats, TextDelta
 
+    load = OtherLoad()
     t0 = time.perf_counter()
     first = None
     parts: list[str] = []
@@ -162,7 +203,7 @@ def engine_turn(session, text: str, params, n: int) -> dict:
                     else None),
         n_prompt=stats.n_prompt if stats else None,
         n_prefilled=getattr(stats, "n_prefilled", None), n_reused=getattr(stats, "n_reused", None),
-        mode=stats.mode if stats else None)
+        mode=stats.mode if stats else None, other_load=load.cores())
 
 
 # --- the app ------------------------------------------------------------------------------------
@@ -189,15 +230,21 @@ async def app_turn(app, clock: ScreenClock, text: str, timeout: float) -> dict:
     await asyncio.sleep(0.05)                        # let the UI settle before Enter
     key = events.Key("enter", "\r")
     key.set_sender(app)
+    load = OtherLoad()
     t0 = time.perf_counter()
     app._driver.send_message(key)                    # as the terminal driver delivers a key
     await until(lambda: new_reply() is not None, 30, "the reply to start")
     await until(lambda: not chat.generating, timeout, "the reply to finish")
     widget = new_reply()
-    await asyncio.sleep(0.05)
+
+    def on_screen():
+        # the store has the whole reply before the screen does (chat.py writes it first)
+        m = app.store.messages(chat.chat_id)[-1]
+        return m if m.finish is not None and widget.source == m.content else None
+    await until(lambda: on_screen() is not None, 60, "the whole reply on screen")
+    msg = on_screen()
     source = widget.source
     first, last, n_appends = clock.first_last(widget, len(source))
-    msg = app.store.messages(chat.chat_id)[-1]
     st = msg.stats or {}
     n_gen = st.get("n_generated")
     return dict(
@@ -208,7 +255,7 @@ async def app_turn(app, clock: ScreenClock, text: str, timeout: float) -> dict:
                       and last > first else None),
         engine_ttft_ms=st.get("ttft_ms"),                        # the engine's, inside the app
         engine_tok_s=st.get("tokens_per_s"),
-        appends=n_appends)
+        appends=n_appends, other_load=load.cores())
 
 
 async def run(args) -> dict:
@@ -236,8 +283,11 @@ async def run(args) -> dict:
                     mode=backend.mode, engine_shared_with_app=separate is None)
         from nanoqwen.engine.session import ChatSession
 
-        for rep in range(args.warmup + args.reps):
+        rep = attempts = 0
+        while rep < args.warmup + args.reps:
             first_msg = FIRST[rep % len(FIRST)]
+            await wait_quiet(args.max_other_load, args.quiet_wait)
+            rows = []
             for side in (("engine", "app") if rep % 2 == 0 else ("app", "engine")):
                 if separate is None:
                     backend.truncate(0)      # a new chat on a cold cache, whoever ran before
@@ -251,18 +301,34 @@ async def run(args) -> dict:
                     r1 = await app_turn(app, clock, first_msg, args.turn_timeout)
                     r2 = await app_turn(app, clock, SECOND, args.turn_timeout)
                 for case, r in (("new_chat", r1), ("next_turn", r2)):
-                    turns.append(dict(rep=rep, warmup=rep < args.warmup, side=side, case=case,
-                                      **r))
-                if not args.quiet:
-                    for case, r in (("new_chat", r1), ("next_turn", r2)):
-                        print(f"  rep {rep}{' (warm-up)' if rep < args.warmup else ''} "
-                              f"{side:6s} {case:9s} {one_line(side, r)}", flush=True)
+                    rows.append(dict(rep=rep, warmup=rep < args.warmup, side=side, case=case,
+                                     **r))
+            busy = max((r["other_load"] or 0.0) for r in rows)
+            retry = busy > args.max_other_load and attempts < args.retries
+            if not args.quiet:
+                for r in rows:
+                    print(f"  rep {rep}{' (warm-up)' if r['warmup'] else ''} {r['side']:6s} "
+                          f"{r['case']:9s} {one_line(r['side'], r)}", flush=True)
+                if retry:
+                    print(f"  rep {rep}: other processes used {busy:.2f} cores: run again",
+                          flush=True)
+            if retry:
+                attempts += 1
+                continue
+            turns.extend(rows)
+            rep += 1
         if separate is not None:
             separate.close()
     return dict(meta=meta, turns=turns)
 
 
 def one_line(side: str, r: dict) -> str:
+    busy = (f"  [other processes: {r['other_load']:.2f} cores]"
+            if r.get("other_load") is not None and r["other_load"] > 0.05 else "")
+    return _one_line(side, r) + busy
+
+
+def _one_line(side: str, r: dict) -> str:
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     if side == "engine":
         return (f"{f(r['n_generated'], 'd')} tok  {f(r['tok_s'], '.1f')} tok/s  TTFT "
@@ -295,7 +361,9 @@ def summarize(turns: list[dict]) -> dict:
             n_generated=med(t["n_generated"] for t in a),
             n_prefilled=med(t["n_prefilled"] for t in e),
             same_text=all(same) if same else None,
-            reps=len(a))
+            reps=len(a),
+            max_other_load=max((t["other_load"] for t in e + a if t["other_load"] is not None),
+                               default=None))
         s["rate_ratio"] = ratio(s["screen_tok_s"], s["engine_tok_s"])
         s["turn_ratio"] = ratio(s["app_turn_s"], s["engine_turn_s"])
         s["ttft_ratio"] = ratio(s["screen_ttft_ms"], s["engine_ttft_ms"])
@@ -323,6 +391,9 @@ def print_summary(meta: dict, summary: dict, args) -> None:
         print(f"{'':10s} (engine inside the app: {f(s['engine_in_app_tok_s'])} tok/s, TTFT "
               f"{f(s['engine_in_app_ttft_ms'])} ms; prefilled {f(s['n_prefilled'], '.0f')} tokens; "
               f"{f(s['n_generated'], '.0f')} generated)")
+        if s["max_other_load"] is not None and s["max_other_load"] > args.max_other_load:
+            print(f"{'':10s} WARNING: other processes used up to {s['max_other_load']:.2f} "
+                  "cores during these turns; the figures are not clean")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--height", type=int, default=40)
     ap.add_argument("--load-timeout", type=float, default=600.0)
     ap.add_argument("--turn-timeout", type=float, default=600.0)
+    ap.add_argument("--max-other-load", type=float, default=0.15, metavar="CORES",
+                    help="a repetition during which other processes used more CPU than this "
+                         "is run again (up to --retries times); before each one the benchmark "
+                         "waits up to --quiet-wait s for the machine to be that quiet")
+    ap.add_argument("--retries", type=int, default=10)
+    ap.add_argument("--quiet-wait", type=float, default=120.0)
     ap.add_argument("--json", metavar="FILE", help="write the results (and every turn) here")
     ap.add_argument("--quiet", action="store_true", help="no per-turn lines")
     args = ap.parse_args(argv)
@@ -365,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             backend=meta["backend"], mode=meta["mode"], tokens=args.tokens, reps=args.reps,
             warmup=args.warmup, engine_shared_with_app=meta["engine_shared_with_app"],
             torch_threads=torch.get_num_threads(), python=platform.python_version(),
+            max_other_load=args.max_other_load,
             torch=torch.__version__, textual=textual.__version__,
             command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
             summary=summary,
