@@ -204,25 +204,29 @@ class ChatScreen(Screen):
             app.title = f"nanoqwen-chat — {_title(text)}"
         history = self._history()
         msg_id = store.add_message(self.chat_id, "user", text)
-        await self.query_one("#messages").mount(UserMessage(text, msg_id))
-        await self._start_reply(history, text, t0)
+        await self._start_reply(history, text, t0, UserMessage(text, msg_id))
         return True
 
-    async def _start_reply(self, history: list[dict], text: str, t0: float) -> None:
+    async def _start_reply(self, history: list[dict], text: str, t0: float,
+                           user: UserMessage | None = None) -> None:
+        """Start the engine on the reply, then show it (and `user`, the message it answers,
+        when that is new): the engine's prefill runs while the screen mounts and paints the
+        new messages, instead of after. No ReplyEvent is handled before this returns (the
+        screen handles its messages one at a time), so the reply's widgets exist by then."""
         app = self.app
         msg_id = app.store.add_message(self.chat_id, "assistant", "", finish=None)
         widget = AssistantMessage("", msg_id)
         widget.set_finish(None, streaming=True)
-        box = self.query_one("#messages", VerticalScroll)
-        await box.mount(widget)
-        box.scroll_end(animate=False)   # a new turn follows the stream again
         self._gen += 1
         self.reply = self.last_reply = _Streaming(self._gen, msg_id, widget,
                                                   AssistantMessage.get_stream(widget))
-        self.perf.start_reply(t0)
         s = app.settings
         self._generate(self._gen, app.engine.submit(history, text, s.sampler_params(),
                                                     s.max_new_tokens, s.system_prompt))
+        self.perf.start_reply(t0)
+        box = self.query_one("#messages", VerticalScroll)
+        await box.mount_all([user, widget] if user is not None else [widget])
+        box.scroll_end(animate=False)   # a new turn follows the stream again
 
     @work(thread=True, group="generate", exit_on_error=False)
     def _generate(self, gen_id: int, events: Iterator[ServiceEvent]) -> None:

@@ -18,15 +18,23 @@ reply has reported anything (whether a figure exists yet can depend on timing to
 snapshots are deterministic. Token counts, backend, model and mode stay real.
 
 Work per update is bounded (the service keeps the rolling window; the sparkline keeps at most
-_MAX_POINTS points), so a long reply does not make the panel slower.
+_MAX_POINTS points), so a long reply does not make the panel slower. While a reply streams the
+rows are redrawn at most every REDRAW_INTERVAL (the service reports every ~40 ms; nobody reads
+a figure that changes 25 times a second), and a row whose text did not change is not touched.
+A changed row that keeps its shape (same lines, each fitting the panel) is redrawn without a
+layout pass: `Static.update` otherwise reflows the whole screen, every message of the chat
+with it, and measured on the 2-core CPU (bundled model, headless app) the panel's 25 layouts a
+second were most of the UI thread's work, which it took from the engine's cores.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from textual.app import ComposeResult
 from textual.containers import Vertical
+from textual.content import Content
 from textual.widgets import Label, Sparkline, Static
 
 from nanoqwen.engine.service import SeenMeter, StatsUpdate
@@ -34,6 +42,7 @@ from nanoqwen.engine.service import SeenMeter, StatsUpdate
 # Keep the sparkline bounded on long replies; Sparkline buckets to its width anyway.
 _MAX_POINTS = 2048
 _INDENT = " " * 10   # continuation lines line up under the values ("decode    ")
+REDRAW_INTERVAL = 0.2  # seconds: the least time between two redraws while a reply streams
 
 
 @dataclass
@@ -64,6 +73,9 @@ class PerfPanel(Vertical):
         self.last: StatsUpdate | None = None
         self.seen = SeenMeter()
         self.kv_len = 0
+        self._shown: dict[str, str] = {}    # row id -> the markup it shows
+        self._drawn_at = -1e9               # time.monotonic() of the latest redraw
+        self._redraw_timer = None           # a pending throttled redraw
 
     def compose(self) -> ComposeResult:
         yield Label("Performance", classes="perf-title")
@@ -119,7 +131,13 @@ class PerfPanel(Vertical):
         if self.info is not None:
             self.info.mode = s.mode
             self.info.max_context = s.max_context
-        self._refresh()
+        # The first text and the final figures are drawn at once; the rest at most every
+        # REDRAW_INTERVAL (a timer draws the latest figures once the interval is up).
+        wait = self._drawn_at + REDRAW_INTERVAL - time.monotonic()
+        if s.final or (shown_at is not None and self.seen.first == self.seen.last) or wait <= 0:
+            self._refresh()
+        elif self._redraw_timer is None:
+            self._redraw_timer = self.set_timer(wait, self._refresh)
 
     # --- figures (also read by tests) -------------------------------------------------
     @property
@@ -170,40 +188,63 @@ class PerfPanel(Vertical):
             return "—"
         return f"{v:.2f} {unit}" if v < 100 else f"{v:.0f} {unit}"
 
+    def _set(self, row: str, markup: str) -> None:
+        """Show `markup` in the row `row` (a Static's id), with a layout pass only if its
+        shape may change: another number of lines, or a line wider than the row."""
+        old = self._shown.get(row)
+        if old == markup:
+            return
+        self._shown[row] = markup
+        widget = self.query_one(f"#{row}", Static)
+        width = widget.content_size.width
+
+        def fits(text: str) -> bool:
+            return all(Content.from_markup(line).cell_length <= width
+                       for line in text.split("\n"))
+        same_shape = (old is not None and width > 0 and old.count("\n") == markup.count("\n")
+                      and fits(old) and fits(markup))
+        widget.update(markup, layout=not same_shape)
+
     def _refresh(self) -> None:
+        if self._redraw_timer is not None:
+            self._redraw_timer.stop()
+            self._redraw_timer = None
         if not self.is_mounted:
             return
+        self._drawn_at = time.monotonic()
         info, last, fmt = self.info, self.last, self._fmt
-        q = self.query_one
+        q, put = self.query_one, self._set
         if info is None:
-            q("#perf-backend", Static).update("backend   [dim]no model loaded[/]")
-            q("#perf-model", Static).update("model     —")
-            q("#perf-mode", Static).update("mode      —")
+            put("perf-backend", "backend   [dim]no model loaded[/]")
+            put("perf-model", "model     —")
+            put("perf-mode", "mode      —")
         else:
             backend = f"backend   [b]{info.backend}[/] ({info.device})"
             if info.fallback:
                 backend += f"\n[dim]{info.fallback}[/]"
-            q("#perf-backend", Static).update(backend)
-            q("#perf-model", Static).update(f"model     {info.model}")
+            put("perf-backend", backend)
+            put("perf-model", f"model     {info.model}")
             if len(info.modes) == 1:
                 # Say plainly that the toggle has nothing to switch to here.
                 mode = f"mode      [b]{info.mode}[/] [dim](only mode here)[/]"
             else:
                 other = [m for m in info.modes if m != info.mode]
                 mode = f"mode      [b]{info.mode}[/] [dim](ctrl+g: {'/'.join(other)})[/]"
-            q("#perf-mode", Static).update(mode)
+            put("perf-mode", mode)
         tag = f" [dim]({last.mode})[/]" if last else ""
-        q("#perf-decode", Static).update(
+        put("perf-decode",
             f"decode    {fmt(self.decode_tokens_per_s, 'tok/s')}{tag}\n"
             f"{_INDENT}{fmt(self.decode_median_ms, 'ms/tok')} [dim]median[/]")
-        q("#perf-screen", Static).update(
+        put("perf-screen",
             f"screen    {fmt(self.screen_tokens_per_s, 'tok/s')}")
-        q("#perf-ttft", Static).update(
+        put("perf-ttft",
             f"TTFT      {fmt(self.ttft_ms, 'ms')} [dim]engine[/]\n"
             f"{_INDENT}{fmt(self.seen_ttft_ms, 'ms')} [dim]seen[/]")
-        q("#perf-prompt", Static).update(f"prompt    {fmt(self.prompt_tokens_per_s, 'tok/s')}")
+        put("perf-prompt", f"prompt    {fmt(self.prompt_tokens_per_s, 'tok/s')}")
         spark = q("#perf-spark", Sparkline)
-        spark.data = [] if self.freeze_timing else self._rates[:]  # a new list: reactive
+        data = [] if self.freeze_timing else self._rates
+        if spark.data != data:
+            spark.data = data[:]  # a new list: reactive
         max_ctx = info.max_context if info else 0
         pct = f" ({100 * self.kv_len / max_ctx:.0f}%)" if max_ctx else ""
-        q("#perf-context", Static).update(f"context   {self.kv_len} / {max_ctx}{pct}")
+        put("perf-context", f"context   {self.kv_len} / {max_ctx}{pct}")

@@ -597,3 +597,17 @@ def test_console_script_help():
     assert out.returncode == 0
     for flag in ("--model", "--backend", "--mode", "Enter sends"):
         assert flag in out.stdout
+
+
+@aio
+async def test_the_app_shortens_the_gil_switch_interval_while_it_runs(dirs, tiny_model_path):
+    """The generation worker's GIL hand-offs must not wait 5 ms behind each paint
+    (main.GIL_SWITCH_INTERVAL says why); the process's own value comes back at exit."""
+    from nanoqwen.app import main as app_main
+
+    before = sys.getswitchinterval()
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        assert sys.getswitchinterval() == pytest.approx(app_main.GIL_SWITCH_INTERVAL)
+    assert sys.getswitchinterval() == before

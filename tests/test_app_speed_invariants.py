@@ -5,6 +5,9 @@ behaviour (no clock: benchmarks/bench_app.py measures the speed).
   highlighting equals textual.highlight's of the whole code, the lexer keeps all but the last
   lines for good, the chunks before the last ones are never touched again, and the finished
   block is exactly what a fresh render of the text shows.
+* The perf panel redraws at most every REDRAW_INTERVAL while a reply streams (the first text
+  and the final figures at once), and without a screen-wide layout pass when a row keeps its
+  shape.
 * The reference backend runs its CPU work on one thread whoever calls it (one OpenMP team),
   and its TorchScript forward gives exactly the Python forward's logits and cache.
 """
@@ -184,6 +187,86 @@ def test_paced_stream_sends_the_first_text_at_once_joins_the_rest_and_flushes_on
             await stream.stop()
             assert w.source == "".join(parts)                         # ... and is all there
             assert w.appends == [parts[0]] + (["".join(parts[1:])] if parts[1:] else [])
+
+    asyncio.run(run())
+
+
+# --- the perf panel ------------------------------------------------------------------------------
+def _update(n: int, final: bool = False, ms: float = 5.0):
+    from nanoqwen.engine.service import StatsUpdate
+
+    return StatsUpdate(ttft_ms=12.5, ms_per_token=ms, median_ms=ms if final else None,
+                       tokens_per_s=1e3 / ms, step_ms=(ms,), n_generated=n, kv_len=40 + n,
+                       max_context=4096, mode="eager", final=final,
+                       rolling_tokens_per_s=1e3 / ms, rolling_median_ms=ms)
+
+
+class PanelHarness(App):
+    def compose(self):
+        from nanoqwen.app.perf import PerfPanel
+
+        yield PerfPanel(id="perf")
+
+
+def test_perf_panel_draws_first_text_and_final_at_once_the_rest_throttled(monkeypatch):
+    """While a reply streams the panel redraws at most every REDRAW_INTERVAL: an update inside
+    the interval changes the figures but not the screen, until the interval's timer or the
+    final update draws them. Rows whose shape is unchanged are redrawn without a layout pass
+    (Static.update(layout=False)); a row that gains a line gets one."""
+    from nanoqwen.app import perf as perf_mod
+    from nanoqwen.app.perf import ModelInfo, PerfPanel
+    from textual.widgets import Static
+
+    def shown(panel, row):
+        return str(panel.query_one(f"#{row}", Static).render())
+
+    async def run():
+        app = PanelHarness()
+        async with app.run_test(size=(80, 30)) as pilot:
+            panel = app.query_one(PerfPanel)
+            panel.set_model(ModelInfo("reference", "cpu", "tiny", ("eager",), "eager", 4096,
+                                      None))
+            await pilot.pause()
+            layouts: list[tuple[str, bool]] = []
+            orig = Static.update
+
+            def spy(self, content="", *, layout=True):
+                layouts.append((self.id, layout))
+                return orig(self, content, layout=layout)
+            monkeypatch.setattr(Static, "update", spy)
+
+            monkeypatch.setattr(perf_mod, "REDRAW_INTERVAL", 3600.0)   # never passes here
+            panel.start_reply(0.0)
+            panel.record(_update(1), shown_at=0.010)          # the first text: drawn at once
+            assert "12.50 ms engine" in shown(panel, "perf-ttft")
+            assert "10.00 ms seen" in shown(panel, "perf-ttft")
+            assert "context   41 / 4096" in shown(panel, "perf-context")
+            layouts.clear()
+            panel.record(_update(2, ms=4.0), shown_at=0.020)  # inside the interval: held
+            assert panel.decode_median_ms == 4.0
+            assert "context   41 / 4096" in shown(panel, "perf-context") and layouts == []
+            panel.record(_update(3, final=True, ms=4.0))      # the final one: drawn at once
+            assert "context   43 / 4096" in shown(panel, "perf-context")
+            assert "4.00 ms/tok" in shown(panel, "perf-decode")
+            assert layouts and all(not layout for _, layout in layouts), layouts
+            assert panel._redraw_timer is None                # the held redraw is dropped
+
+            # A held redraw is drawn by the timer once the interval is up.
+            monkeypatch.setattr(perf_mod, "REDRAW_INTERVAL", 0.05)
+            panel.start_reply(0.0)
+            panel.record(_update(1), shown_at=0.010)
+            panel.record(_update(7, ms=2.0), shown_at=0.030)
+            for _ in range(200):
+                if "context   47 / 4096" in shown(panel, "perf-context"):
+                    break
+                await pilot.pause(0.02)
+            assert "context   47 / 4096" in shown(panel, "perf-context")
+
+            # A row that changes shape (one more line) gets a layout pass.
+            layouts.clear()
+            panel.set_model(ModelInfo("reference", "cpu", "tiny", ("eager",), "eager", 4096,
+                                      "no CUDA device"))
+            assert ("perf-backend", True) in layouts
 
     asyncio.run(run())
 
