@@ -148,29 +148,29 @@ def app_engine_loaded(app) -> bool:
 
 # --- on-screen timing: when the reply widget has taken each piece of text ------------------------
 class ScreenClock:
-    """Wraps AssistantMessage.append (what the Markdown stream calls) to record, per widget,
-    (time the append completed, length of the widget's source then)."""
+    """Wraps AssistantMessage.append (what the Markdown stream calls) to record, on each
+    widget, (time the append completed, length of the widget's source then). On the widget,
+    not in a dict by id(): a new reply can reuse a freed widget's id."""
 
     def __init__(self) -> None:
         from textual.await_complete import AwaitComplete
         from nanoqwen.app.widgets import AssistantMessage
 
-        self.marks: dict[int, list[tuple[float, int]]] = {}
         orig = AssistantMessage.append
-        marks = self.marks
 
         def append(widget, markdown: str):
             aw = orig(widget, markdown)
 
             async def timed() -> None:
                 await aw
-                marks.setdefault(id(widget), []).append((time.perf_counter(), len(widget.source)))
+                widget.__dict__.setdefault("_bench_marks", []).append(
+                    (time.perf_counter(), len(widget.source)))
             return AwaitComplete(timed())
 
         AssistantMessage.append = append
 
     def first_last(self, widget, final_len: int):
-        m = self.marks.get(id(widget), [])
+        m = widget.__dict__.get("_bench_marks", [])
         first = next((t for t, n in m if n > 0), None)
         last = next((t for t, n in m if n >= final_len), None)
         return first, last, len(m)
@@ -239,8 +239,11 @@ async def app_turn(app, clock: ScreenClock, text: str, timeout: float) -> dict:
 
     def on_screen():
         # the store has the whole reply before the screen does (chat.py writes it first)
+        # and the append that brought its end has completed (the source is set before)
         m = app.store.messages(chat.chat_id)[-1]
-        return m if m.finish is not None and widget.source == m.content else None
+        done = (m.finish is not None and widget.source == m.content
+                and clock.first_last(widget, len(m.content))[1] is not None)
+        return m if done else None
     await until(lambda: on_screen() is not None, 60, "the whole reply on screen")
     msg = on_screen()
     source = widget.source
