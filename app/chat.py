@@ -33,7 +33,8 @@ from nanoqwen.engine.service import Batch, Failed, Finished, Note, ServiceEvent
 
 from .perf import ModelInfo, PerfPanel
 from .screens import ChatsScreen, ExportScreen
-from .widgets import ENTER_HINT, AssistantMessage, CodeFence, PromptInput, UserMessage
+from .widgets import (CPU_ENGINE_UI_SHARE, ENTER_HINT, AssistantMessage, CodeFence,
+                      MessageList, PromptInput, UserMessage)
 
 # (binding, description in help/palette); the same list builds BINDINGS, the help screen
 # and the command palette, so none can drift from the others.
@@ -96,7 +97,7 @@ class ChatScreen(Screen):
                 with Vertical(id="loading"):
                     yield Label("", id="loading-label")
                     yield ProgressBar(id="loading-bar", show_eta=False)
-                yield VerticalScroll(id="messages")
+                yield MessageList(id="messages")
                 yield PromptInput(id="prompt", placeholder=f"Message…  ({ENTER_HINT})",
                                   show_line_numbers=False, compact=True)
             yield PerfPanel(freeze_timing=self.app.freeze_perf, id="perf")
@@ -218,8 +219,10 @@ class ChatScreen(Screen):
         widget = AssistantMessage("", msg_id)
         widget.set_finish(None, streaming=True)
         self._gen += 1
+        # an engine on the CPU needs the cores the UI paints with (CPU_ENGINE_UI_SHARE)
+        share = CPU_ENGINE_UI_SHARE if app.engine.info.device == "cpu" else None
         self.reply = self.last_reply = _Streaming(self._gen, msg_id, widget,
-                                                  AssistantMessage.get_stream(widget))
+                                                  AssistantMessage.get_stream(widget, share))
         s = app.settings
         self._generate(self._gen, app.engine.submit(history, text, s.sampler_params(),
                                                     s.max_new_tokens, s.system_prompt))

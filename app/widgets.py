@@ -15,7 +15,9 @@ the end. `CodeFence` instead
     screen is exactly what a fresh render of the text shows.
 A reply streams through `AssistantMessage.get_stream` (PacedMarkdownStream): at most
 PAINT_INTERVAL between two appends, the first at once, because each append costs a screen
-update however little text it brings, and on the CPU backend the UI's CPU is the engine's.
+update however little text it brings; with an engine on the CPU, whose cores the UI paints
+with, the appends are spaced so that the UI thread takes at most CPU_ENGINE_UI_SHARE of a
+core. The message list's widgets lay out once per append, not twice (OnePassLayout).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pygments.lexers import get_lexer_by_name
 from pygments.util import ClassNotFound
 from textual import events
 from textual.content import Content, Span
+from textual.containers import VerticalScroll
 from textual.message import Message
 from textual.widgets import Label, Markdown, Static, TextArea
 from textual.widgets._markdown import MarkdownBlock, MarkdownFence, MarkdownStream
@@ -71,7 +74,31 @@ class PromptInput(TextArea):
         await super()._on_key(event)
 
 
-class UserMessage(Static):
+class OnePassLayout:
+    """Mixin for the widgets of the message list: a reflow that resizes them is not followed
+    by a second, identical one.
+
+    Textual's screen reflow gives each resized widget its new virtual size through a
+    reactive declared layout=True, so every reflow that changes a size asks for another
+    full reflow and repaint of the screen: each streamed append cost two layout frames
+    (5-8 ms of UI-thread CPU each on a 2-core machine, measured with benchmarks/bench_app.py).
+    The first reflow has already placed every widget at those sizes, anchored the list
+    (the compositor scrolls an anchored container while it arranges it) and repainted them;
+    a scrollbar that appears or goes asks for its own reflow (show_*_scrollbar are layout
+    reactives). So these widgets take the new virtual size without asking for a layout.
+    Relies on Widget._size_updated's `layout` flag (textual is pinned in pyproject.toml);
+    tests/test_app_speed_invariants.py checks one reflow per append and the result."""
+
+    def _size_updated(self, size, virtual_size, container_size, layout: bool = True) -> bool:
+        return super()._size_updated(size, virtual_size, container_size,  # type: ignore[misc]
+                                     layout=False)
+
+
+class MessageList(OnePassLayout, VerticalScroll):
+    """The chat's scrolling list of messages."""
+
+
+class UserMessage(OnePassLayout, Static):
     def __init__(self, text: str, msg_id: int | None = None) -> None:
         super().__init__(text, markup=False, classes="message user")
         self.msg_id = msg_id
@@ -81,6 +108,14 @@ class UserMessage(Static):
 CHUNK_LINES = 16          # lines per Label of a code block
 # Least time between two appends of a streaming reply (PacedMarkdownStream): 15 a second
 PAINT_INTERVAL = 1 / 15
+# ... and the most, however costly the appends are (the stream still moves 4 times a second)
+PAINT_INTERVAL_MAX = 0.25
+# With an engine on the CPU, the share of one core the UI may take while a reply streams
+# (PacedMarkdownStream.cpu_share). On a 2-core machine each ms the UI thread runs delays
+# the 2-thread engine by about 1 ms (measured: 0.5-0.8 s of UI CPU per 256-token turn, the
+# engine inside the app 0.5-0.7 s slower than alone; one busy thread stalls the other at
+# every op's barrier), so this is about the turn's slowdown from painting.
+CPU_ENGINE_UI_SHARE = 0.08
 # Line breaks other than \n that textual.highlight normalises (str.splitlines), and tabs
 # (expanded by the lexer): code holding any of them is highlighted whole, as Textual does.
 _IRREGULAR = ("\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029",
@@ -207,11 +242,11 @@ class _StreamHighlighter:
         return out
 
 
-class CodeChunk(Label):
+class CodeChunk(OnePassLayout, Label):
     """CHUNK_LINES lines of a code block."""
 
 
-class CodeFence(MarkdownFence):
+class CodeFence(OnePassLayout, MarkdownFence):
     """A highlighted code block, shown in chunks of lines and highlighted incrementally while
     it streams (module doc); a click copies its code to the clipboard."""
 
@@ -341,20 +376,38 @@ class CodeFence(MarkdownFence):
 
 
 class PacedMarkdownStream(MarkdownStream):
-    """Textual's MarkdownStream, appending at most once per PAINT_INTERVAL.
+    """Textual's MarkdownStream, appending at most once per PAINT_INTERVAL, and with
+    `cpu_share` set, no more often than keeps the UI thread's CPU time under that share.
 
     Every append costs the UI thread a screen update whatever the amount of new text
-    (measured: 8 ms a frame for the chat screen on this 2-core CPU, holding the GIL), and
-    on the CPU backend the engine needs those cores: a Python thread busy 8 ms in every 40
-    took a decode loop from 188 to 147 tok/s, busy 16 in 40 to 110. The first text still
-    goes out at once; what arrives within the interval waits in the stream and goes out
-    joined with the next. `stop()` returns once every written fragment is in the widget.
+    (measured on this 2-core CPU: two layout frames of 5-8 ms each, the second the anchored
+    list's scroll, plus the parse and mount, 13-20 ms of UI-thread CPU per append), and
+    with the engine on the CPU the UI's time is the engine's (CPU_ENGINE_UI_SHARE). So the
+    stream measures the UI thread's CPU time (time.thread_time: the stream runs on the
+    event loop, in the UI thread) from one append to the next, everything the UI did in
+    between included, and waits long enough that this cost is at most `cpu_share` of the
+    wall time: interval = cost / cpu_share, between PAINT_INTERVAL and PAINT_INTERVAL_MAX.
+    A faster machine or a cheaper screen gets more appends, a costly one fewer. The first
+    text still goes out at once; what arrives within the interval waits in the stream and
+    goes out joined with the next. `stop()` returns once every written fragment is in the
+    widget.
     """
 
-    def __init__(self, markdown_widget: Markdown) -> None:
+    def __init__(self, markdown_widget: Markdown, cpu_share: float | None = None) -> None:
         super().__init__(markdown_widget)
+        self.cpu_share = cpu_share
+        self.interval = PAINT_INTERVAL     # the wait before the next append
         self._next = 0.0
+        self._cpu = self._wall = None      # the UI thread's CPU time, wall time at the last append
         self._inflight: asyncio.Future | None = None
+
+    def _pace(self) -> None:
+        now, cpu = time.monotonic(), time.thread_time()
+        if self.cpu_share and self._cpu is not None:
+            cost = cpu - self._cpu            # UI-thread CPU since the last append began
+            self.interval = min(max(cost / self.cpu_share, PAINT_INTERVAL), PAINT_INTERVAL_MAX)
+        self._cpu, self._wall = cpu, now
+        self._next = now + self.interval
 
     async def _run(self) -> None:
         try:
@@ -365,7 +418,7 @@ class PacedMarkdownStream(MarkdownStream):
                 new_markdown = "".join(self._pending)
                 self._pending.clear()
                 self._new_markup.clear()
-                self._next = time.monotonic() + PAINT_INTERVAL
+                self._pace()
                 self._inflight = asyncio.ensure_future(self.markdown_widget.append(new_markdown))
                 await asyncio.shield(self._inflight)
         except asyncio.CancelledError:
@@ -378,10 +431,16 @@ class PacedMarkdownStream(MarkdownStream):
             await self.markdown_widget.append(new_markdown)
 
 
-class AssistantMessage(Markdown):
+def _one_pass(block: type) -> type:
+    """`block` (a Markdown block class) with OnePassLayout; same name, so CSS matches it."""
+    return type(block.__name__, (OnePassLayout, block), {})
+
+
+class AssistantMessage(OnePassLayout, Markdown):
     """A reply, rendered as Markdown. Streaming goes through `AssistantMessage.get_stream`."""
 
-    BLOCKS = {**Markdown.BLOCKS, "fence": CodeFence, "code_block": CodeFence}
+    BLOCKS = {**{name: _one_pass(block) for name, block in Markdown.BLOCKS.items()},
+              "fence": CodeFence, "code_block": CodeFence}
 
     def __init__(self, text: str = "", msg_id: int | None = None,
                  finish: str | None = "stop") -> None:
@@ -391,9 +450,10 @@ class AssistantMessage(Markdown):
         self.set_finish(finish)
 
     @classmethod
-    def get_stream(cls, markdown: Markdown) -> PacedMarkdownStream:
-        """Markdown.get_stream, paced (PacedMarkdownStream)."""
-        stream = PacedMarkdownStream(markdown)
+    def get_stream(cls, markdown: Markdown,
+                   cpu_share: float | None = None) -> PacedMarkdownStream:
+        """Markdown.get_stream, paced (PacedMarkdownStream; `cpu_share`: its UI CPU limit)."""
+        stream = PacedMarkdownStream(markdown, cpu_share)
         stream.start()
         return stream
 

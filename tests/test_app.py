@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from nanoqwen.app import widgets
 from nanoqwen.app.chat import CHAT_ACTIONS
 from nanoqwen.app.main import NanoqwenApp
 from nanoqwen.app.screens import ChatsScreen, ExportScreen, HelpScreen, ModelScreen, SettingsScreen
@@ -118,6 +119,8 @@ async def test_prompt_streams_a_reply_that_matches_the_engine(dirs, tiny_model_p
         await pilot.press(*"def add")
         widget = await send(app, pilot, None)
         reply = app.chat.last_reply
+        # an engine on the CPU: the stream keeps the UI's CPU under its share (widgets.py)
+        assert reply.stream.cpu_share == widgets.CPU_ENGINE_UI_SHARE > 0
         await reply_done(app, pilot)
         final = widget.source
         expected = greedy_reply(tiny_model_path, [], "def add", n)

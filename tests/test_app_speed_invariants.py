@@ -151,6 +151,97 @@ def test_streamed_reply_renders_like_a_fresh_one_and_keeps_finished_chunks(monke
     asyncio.run(run())
 
 
+class ListHarness(App):
+    """The chat's message list, anchored to its end as chat.py has it."""
+
+    def compose(self):
+        yield widgets.MessageList(id="messages")
+
+    def on_mount(self):
+        self.query_one("#messages").anchor()
+
+
+def _screen_text(app) -> list[str]:
+    return [strip.text for strip in app.screen._compositor.render_strips()]
+
+
+async def _settled(app, pilot) -> None:
+    """Until the screen has nothing left to lay out or paint (a condition, not a clock)."""
+    screen = app.screen
+    for _ in range(1000):
+        await pilot.pause()
+        if not (screen._layout_required or screen._scroll_required or screen._dirty_widgets
+                or screen._repaint_required):
+            await pilot.pause()
+            if not (screen._layout_required or screen._dirty_widgets):
+                return
+    raise AssertionError("the screen did not settle")
+
+
+def test_a_streamed_append_reflows_the_screen_once_and_the_list_follows_it(monkeypatch):
+    """Each append costs one layout pass (OnePassLayout: Textual would do a second, identical
+    one for every widget whose size changed), the anchored list still ends at the reply's
+    latest text after every append, and the final screen is a fresh render's."""
+    from textual.screen import Screen
+
+    monkeypatch.setattr(widgets, "PAINT_INTERVAL", 0.0)
+    text = ("Some words first, long enough to wrap on a narrow terminal: " * 3 + "\n\n"
+            "```python\n" + PY_BODY * 2 + "```\n\nA closing paragraph with plain words.\n")
+    layouts = []
+    orig = Screen._refresh_layout
+
+    def counting(self, size=None, scroll=False):
+        layouts.append(scroll)
+        return orig(self, size, scroll)
+    monkeypatch.setattr(Screen, "_refresh_layout", counting)
+
+    async def stream_it():
+        app = ListHarness()
+        async with app.run_test(size=(110, 20)) as pilot:
+            box = app.query_one("#messages")
+            reply = AssistantMessage("", 1)
+            await box.mount(reply)
+            stream = AssistantMessage.get_stream(reply)
+            rnd = random.Random(1)
+            i, per_append = 0, []    # (layout passes, widgets mounted or a scrollbar came)
+            while i < len(text):
+                j = min(len(text), i + rnd.randint(5, 60))
+                await _settled(app, pilot)
+                layouts.clear()
+                before = len(list(reply.walk_children())), box.show_vertical_scrollbar
+                await stream.write(text[i:j])
+                i = j
+                await _settled(app, pilot)
+                after = len(list(reply.walk_children())), box.show_vertical_scrollbar
+                per_append.append((len(layouts), after[0] > before[0] or after[1] != before[1]))
+                # anchored: at the end (Textual puts a reply shorter than the list at its
+                # bottom, with a negative scroll_y)
+                assert box.scroll_y == box.max_scroll_y or box.max_scroll_y == 0
+                last = text[:i].split()[-1] if text[:i].split() else ""
+                if last and "`" not in last and i < len(text):
+                    assert any(last in line for line in _screen_text(app)), (
+                        last, i, text[i-80:i], "\n".join(_screen_text(app)))
+            await stream.stop()
+            reply.set_finish("stop")
+            await _settled(app, pilot)
+            # one pass, unless the append mounted a block or a chunk (their mount and first
+            # sizing take their own) or the list's scrollbar appeared
+            assert box.max_scroll_y > 0 and len(per_append) > 30
+            assert all(n == 1 for n, grew in per_append if not grew), str(per_append)
+            return _screen_text(app)
+
+    async def fresh():
+        app = ListHarness()
+        async with app.run_test(size=(110, 20)) as pilot:
+            box = app.query_one("#messages")
+            await box.mount(AssistantMessage(text, 1))
+            box.scroll_end(animate=False)
+            await _settled(app, pilot)
+            return _screen_text(app)
+
+    assert asyncio.run(stream_it()) == asyncio.run(fresh())
+
+
 class CountingMessage(AssistantMessage):
     """The real widget, counting the appends its stream makes."""
 
@@ -189,6 +280,45 @@ def test_paced_stream_sends_the_first_text_at_once_joins_the_rest_and_flushes_on
             assert w.appends == [parts[0]] + (["".join(parts[1:])] if parts[1:] else [])
 
     asyncio.run(run())
+
+
+class FakeClock:
+    """time.monotonic and time.thread_time for widgets.py, moved by the test."""
+
+    def __init__(self):
+        self.wall = self.cpu = 100.0
+
+    def monotonic(self):
+        return self.wall
+
+    def thread_time(self):
+        return self.cpu
+
+
+@pytest.mark.parametrize("share", [None, 0.05, 0.08, 0.5])
+def test_paced_stream_keeps_the_ui_cpu_under_its_share(monkeypatch, share):
+    """The interval after an append is the UI-thread CPU spent since the previous one over
+    `cpu_share`, within [PAINT_INTERVAL, PAINT_INTERVAL_MAX]; without a share it is
+    PAINT_INTERVAL whatever the cost."""
+    clock = FakeClock()
+    monkeypatch.setattr(widgets, "time", clock)
+    stream = widgets.PacedMarkdownStream(None, share)   # _pace needs no widget
+    rnd = random.Random(2)
+    stream._pace()                              # the first append: nothing measured yet
+    assert stream.interval == widgets.PAINT_INTERVAL
+    assert stream._next == clock.wall + widgets.PAINT_INTERVAL
+    for _ in range(50):
+        cost = rnd.choice([0.0, 0.001, 0.004, 0.012, 0.03, 0.2]) * rnd.random()
+        clock.cpu += cost
+        clock.wall += stream.interval + cost
+        stream._pace()
+        want = widgets.PAINT_INTERVAL if share is None else min(
+            max(cost / share, widgets.PAINT_INTERVAL), widgets.PAINT_INTERVAL_MAX)
+        assert stream.interval == pytest.approx(want)
+        assert stream._next == pytest.approx(clock.wall + want)
+        # the UI's share of the wall time until the next append, when that cost repeats
+        if share is not None and cost / share <= widgets.PAINT_INTERVAL_MAX:
+            assert cost / stream.interval <= share + 1e-12
 
 
 # --- the perf panel ------------------------------------------------------------------------------
