@@ -57,6 +57,14 @@ def _title(text: str) -> str:
     return line[:60] + ("…" if len(line) > 60 else "")
 
 
+def too_long(n: int, room: int, max_context: int, system: bool) -> str:
+    """Why a message is refused, with the numbers and what would help."""
+    what = "The system prompt and this message are" if system else "This message is"
+    return (f"{what} {n} tokens (chat template included); at most {room} fit: the context "
+            f"holds {max_context} and {max_context - room} are kept for the reply. Shorten it or "
+            "send it in parts" + (", or shorten the system prompt (Settings)." if system else "."))
+
+
 class ReplyEvent(Message):
     """An engine service event for reply `gen_id`, posted from the generation worker."""
 
@@ -174,7 +182,8 @@ class ChatScreen(Screen):
                 if m.role == "user":
                     widgets.append(UserMessage(m.content, m.id))
                 elif m.role == "assistant":
-                    widgets.append(AssistantMessage(m.content, m.id, m.finish))
+                    widgets.append(AssistantMessage(m.content, m.id, m.finish,
+                                                    (m.stats or {}).get("error")))
             box.mount_all(widgets)
             self.app.title = f"nanoqwen-chat — {self.app.store.chat_title(chat_id)}"
         else:
@@ -199,6 +208,12 @@ class ChatScreen(Screen):
             return False
         if self.generating:
             self.notify("A reply is still streaming: esc stops it", severity="warning")
+            return False
+        s = app.settings
+        n, room = app.engine.message_room(text, s.system_prompt, s.max_new_tokens)
+        if n > room:   # refused before it enters the chat: it stays in the prompt to edit
+            self.notify(too_long(n, room, app.engine.info.max_context, bool(s.system_prompt)),
+                        title="Message too long", severity="error", timeout=20)
             return False
         store = app.store
         if self.chat_id is None:
@@ -278,9 +293,12 @@ class ChatScreen(Screen):
                 stats.update(seen_ttft_ms=self.perf.seen_ttft_ms,
                              screen_tokens_per_s=self.perf.screen_tokens_per_s)
             finish = ev.reason if isinstance(ev, Finished) else "error"
+            error = ev.message if isinstance(ev, Failed) else None
+            if error:
+                stats = {"error": error}   # the reason stays with the reply (set_finish)
             store.update_message(r.msg_id, r.text, finish=finish, stats=stats)
             await r.stream.stop()
-            r.widget.set_finish(finish)
+            r.widget.set_finish(finish, error=error)
             if isinstance(ev, Failed):
                 title = {"oom": "Out of memory", "context": "Context full"}.get(ev.kind,
                                                                                 "Engine error")

@@ -246,5 +246,11 @@ class PerfPanel(Vertical):
         if spark.data != data:
             spark.data = data[:]  # a new list: reactive
         max_ctx = info.max_context if info else 0
-        pct = f" ({100 * self.kv_len / max_ctx:.0f}%)" if max_ctx else ""
-        put("perf-context", f"context   {self.kv_len} / {max_ctx}{pct}")
+        if max_ctx and self.kv_len > max_ctx:
+            # the conversation is longer than the context: the next prompt leaves out its
+            # oldest turns (session.py), so the context is full, not over 100%
+            put("perf-context", f"context   {max_ctx} / {max_ctx} (100%)\n"
+                                f"{_INDENT}[dim]older turns left out[/]")
+        else:
+            pct = f" ({100 * self.kv_len / max_ctx:.0f}%)" if max_ctx else ""
+            put("perf-context", f"context   {self.kv_len} / {max_ctx}{pct}")

@@ -443,11 +443,11 @@ class AssistantMessage(OnePassLayout, Markdown):
               "fence": CodeFence, "code_block": CodeFence}
 
     def __init__(self, text: str = "", msg_id: int | None = None,
-                 finish: str | None = "stop") -> None:
+                 finish: str | None = "stop", error: str | None = None) -> None:
         super().__init__(text, classes="message assistant", open_links=False)
         self.msg_id = msg_id
         self.border_title = "Assistant"
-        self.set_finish(finish)
+        self.set_finish(finish, error=error)
 
     @classmethod
     def get_stream(cls, markdown: Markdown,
@@ -457,12 +457,16 @@ class AssistantMessage(OnePassLayout, Markdown):
         stream.start()
         return stream
 
-    def set_finish(self, finish: str | None, streaming: bool = False) -> None:
-        """The note under the reply: how it ended, or that it is still streaming."""
+    def set_finish(self, finish: str | None, streaming: bool = False,
+                   error: str | None = None) -> None:
+        """The note under the reply: how it ended (a failure with its reason, `error`), or
+        that it is still streaming."""
         if streaming:
             self.border_subtitle = "streaming… (esc stops)"
         else:
             note = FINISH_NOTES.get(finish, finish)
+            if finish == "error" and error:
+                note = f"{note}: {error.splitlines()[0]}"
             self.border_subtitle = note or ""
             if self.is_mounted:
                 for fence in self.query(CodeFence):

@@ -115,7 +115,10 @@ def describe_error(e: BaseException) -> tuple[str, str]:
         return "oom", ("The GPU ran out of memory. Start a new chat (shorter context) or "
                        f"use a smaller model.\n{str(e).splitlines()[0] if str(e) else ''}")
     if isinstance(e, ContextFullError):
-        return "context", f"The conversation no longer fits the context: {e}. Start a new chat."
+        # e says what does not fit and by how much; older turns were left out already, so a
+        # new chat would not help, a shorter message would
+        msg = str(e)
+        return "context", f"{msg[:1].upper()}{msg[1:]}. Shorten the message."
     if isinstance(e, NanoqwenError):
         return "engine", str(e)
     return "engine", f"The engine failed ({type(e).__name__}: {e})"
@@ -175,6 +178,18 @@ class EngineService:
         if not msgs:
             return 0
         return len(self.tokenizer.encode_chat(msgs))
+
+    def message_room(self, user_text: str, system_prompt: str, max_new_tokens: int
+                     ) -> tuple[int, int]:
+        """(n, room) for a new message: n, the tokens of the smallest prompt that can carry
+        it (system prompt + the message: older turns are left out to make room, session.py's
+        context policy); room, the most the context leaves for a prompt (max_context less the
+        reply reserve). The message can be sent when n <= room."""
+        from .session import reply_reserve
+
+        msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+        n = len(self.tokenizer.encode_chat(msgs + [{"role": "user", "content": user_text}]))
+        return n, self.backend.max_context - reply_reserve(max_new_tokens)
 
     def cancel(self) -> None:
         """Stop the latest submit at its next token; a submit not started yet ends at once.

@@ -187,11 +187,20 @@ def generate_raw(backend, tokenizer, text: str, params, max_new_tokens: int,
                     cancel if cancel is not None else threading.Event(), window_s=window_s)
 
 
+MIN_REPLY_TOKENS = 16   # the least room a prompt leaves for the reply (the context policy)
+
+
+def reply_reserve(max_new_tokens: int, min_reply_tokens: int = MIN_REPLY_TOKENS) -> int:
+    """Context positions a prompt leaves free for the reply (the module doc's policy)."""
+    return max(1, min(max_new_tokens, min_reply_tokens))
+
+
 class ChatSession:
     """Multi-turn chat over `backend`. Not thread-safe, except `cancel()`."""
 
     def __init__(self, backend, tokenizer, system_prompt: str | None = None,
-                 messages: Sequence[dict] | None = None, min_reply_tokens: int = 16) -> None:
+                 messages: Sequence[dict] | None = None,
+                 min_reply_tokens: int = MIN_REPLY_TOKENS) -> None:
         self.backend, self.tokenizer = backend, tokenizer
         self.system_prompt = system_prompt
         self.min_reply_tokens = min_reply_tokens
@@ -275,7 +284,7 @@ class ChatSession:
         """Prompt ids of system + base[k:] + user for the smallest k (at a turn boundary)
         that leaves room for the reply reserve; (ids, k)."""
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        limit = self.backend.max_context - max(1, min(max_new_tokens, self.min_reply_tokens))
+        limit = self.backend.max_context - reply_reserve(max_new_tokens, self.min_reply_tokens)
         # turn boundaries: each user message starts a turn; never split a user from its reply
         starts = [i for i, m in enumerate(base) if m["role"] == "user" and i > 0] + [len(base)]
         ids = self.tokenizer.encode_chat(system + base + [user])

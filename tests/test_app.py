@@ -575,18 +575,70 @@ async def test_help_lists_the_key_bindings(dirs, tiny_model_path):
 
 
 @aio
-async def test_engine_error_is_reported_and_the_app_stays_usable(dirs, tiny_model_path):
+async def test_a_message_too_long_for_the_context_is_refused_and_stays_to_edit(
+        dirs, tiny_model_path):
     use_settings(max_new_tokens=5)
     app = NanoqwenApp(model=tiny_model_path)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(app, pilot)
-        too_long = "word " * (app.engine.info.max_context + 100)
-        widget = await send(app, pilot, too_long)
-        await reply_done(app, pilot)
-        assert any("does not fit the context" in n for n in notes(app))
-        assert widget.border_subtitle == "failed"
-        assert app.store.messages(app.chat.chat_id)[-1].finish == "error"
+        ctx = app.engine.info.max_context
+        too_long = "word " * (ctx + 100)
+        n = app.engine.count_tokens([{"role": "user", "content": too_long}])
+        prompt = app.chat.query_one("#prompt", PromptInput)
+        prompt.text = too_long
+        await pilot.press("enter")
+        refusals = lambda: [m for m in notes(app) if "tokens (chat template" in m]  # noqa: E731
+        await wait_for(pilot, refusals, 10, "the refusal")
+        [note] = refusals()
+        # the numbers: its size, what fits (the context less the reply's reserve of 5)
+        assert f"is {n} tokens" in note and f"at most {ctx - 5} fit" in note
+        assert f"holds {ctx}" in note and "Shorten it" in note
+        # nothing entered the chat, the store or the history; the text is still there to edit
+        assert not app.chat.query(AssistantMessage) and not app.chat.query(UserMessage)
+        assert app.chat.chat_id is None and not app.store.list_chats()
+        assert prompt.text == too_long and not app.chat.generating
+        perf = app.chat.perf
+        assert perf.kv_len == 0                       # the gauge did not count it either
+        # a conversation longer than the context (older turns left out) reads as full
+        perf.set_context(ctx + 500)
+        await pilot.pause()
+        row = str(perf.query_one("#perf-context").content)
+        assert f"{ctx} / {ctx} (100%)" in row and "older turns left out" in row
+        # a message that fits goes as usual
         app.clear_notifications()
+        widget = await send(app, pilot, "short")
+        await reply_done(app, pilot)
+        assert app.store.messages(app.chat.chat_id)[-1].finish == "length" and widget.source
+
+
+@aio
+async def test_engine_error_is_reported_kept_with_the_reply_and_the_app_stays_usable(
+        dirs, tiny_model_path):
+    """A real engine failure: the reply is regenerated after the system prompt grew past the
+    context (the message was checked when it was sent). The reason stays under the reply,
+    also when the chat is reopened."""
+    use_settings(max_new_tokens=5)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        await send(app, pilot, "short")
+        await reply_done(app, pilot)
+        app.settings.system_prompt = "word " * (app.engine.info.max_context + 100)
+        await app.chat.run_action("regenerate")
+        await wait_for(pilot, lambda: not app.chat.generating and app.store.messages(
+            app.chat.chat_id)[-1].finish == "error", 30, "the failed regenerate")
+        await pilot.pause(0.05)
+        assert any("does not fit the context" in n for n in notes(app))
+        widget = app.chat.query(AssistantMessage).last()
+        assert widget.border_subtitle.startswith("failed: The message does not fit the context")
+        last = app.store.messages(app.chat.chat_id)[-1]
+        assert last.stats["error"].startswith("The message does not fit the context")
+        app.chat.open_chat(app.chat.chat_id)          # reopened: the reason is still there
+        await pilot.pause(0.05)
+        assert app.chat.query(AssistantMessage).last().border_subtitle == \
+            widget.border_subtitle
+        app.clear_notifications()
+        app.settings.system_prompt = ""
         await pilot.press("ctrl+n")
         widget = await send(app, pilot, "short")
         await reply_done(app, pilot)

@@ -156,6 +156,32 @@ def test_a_prompt_that_cannot_fit_fails_with_the_numbers(engine):
     assert f"context holds {engine.info.max_context} tokens" in str(out[0].exception)
 
 
+@pytest.mark.parametrize("system", ["", "You are terse. " * 40])
+def test_message_room_says_exactly_what_the_engine_accepts(engine, system):
+    """message_room's n <= room holds exactly when a turn with that message starts (older
+    turns can always be left out), at lengths on both sides of the limit."""
+    ctx = engine.info.max_context
+    assert engine.message_room("hi", system, 5)[1] == ctx - 5
+
+    def fits(k):
+        n, r = engine.message_room("word " * k, system, 5)
+        return n <= r
+    lo, hi = 0, ctx                   # the most words that fit: fits(lo), not fits(hi)
+    while hi - lo > 1:
+        lo, hi = ((lo + hi) // 2, hi) if fits((lo + hi) // 2) else (lo, (lo + hi) // 2)
+    seen = set()
+    for k in (lo - 1, lo, hi, hi + 50):
+        text = "word " * k
+        n, r = engine.message_room(text, system, 5)
+        out = list(engine.submit([{"role": "user", "content": "earlier"},
+                                  {"role": "assistant", "content": "reply " * 50}],
+                                 text, GREEDY, 5, system))
+        refused = isinstance(out[0], Failed) and out[0].kind == "context"
+        assert refused == (n > r), (k, n, r)
+        seen.add(refused)
+    assert seen == {True, False}      # both sides of the limit were tried
+
+
 def test_info_and_modes(engine, tiny_model_path):
     info = engine.info
     assert (info.path, info.backend, info.device, info.modes) == (tiny_model_path, "reference",
@@ -175,7 +201,8 @@ def test_engine_errors_are_described_for_people():
 
     kind, msg = describe_error(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried 2 GiB"))
     assert kind == "oom" and "ran out of memory" in msg and "Tried 2 GiB" in msg
-    assert describe_error(ContextFullError("9000 > 4096"))[0] == "context"
+    assert describe_error(ContextFullError("the message does not fit: 9000 > 4096")) == (
+        "context", "The message does not fit: 9000 > 4096. Shorten the message.")
     assert describe_error(FormatError("bad magic")) == ("engine", "bad magic")
     assert describe_error(RuntimeError("boom")) == ("engine",
                                                     "The engine failed (RuntimeError: boom)")
