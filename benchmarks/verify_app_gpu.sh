@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issue 10's product figures: install (textual wheels from .whl), build,
-# all of tests/gpu, `nanoqwen bench` (7B synthetic), then a real 7B-shaped .nanoqwen file
+# all of tests/gpu, `nanoqwen bench` (7B synthetic), TTFT at new prompt lengths
+# (benchmarks/bench_prefill_lengths.py), then a real 7B-shaped .nanoqwen file
 # (random weights, the real Qwen2 tokenizer from .tok/tokenizer.json) and benchmarks/bench_app.py
 # in graph and eager mode. Logs and JSON under $OUT.
 # usage (from the checkout, carry .whl and .tok):
@@ -22,6 +23,8 @@ from nanoqwen.engine.build import load_extension; print(load_extension(), f'{tim
 [ "${SKIP_TESTS:-0}" = 1 ] || { t "tests/gpu"; timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -30; }
 t "bench 7b"
 timeout 100 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph,eager --json > "$OUT/bench_7b.json" && tail -c 300 "$OUT/bench_7b.json"
+t "prefill at new lengths"
+OUT=$OUT timeout 120 python3 benchmarks/bench_prefill_lengths.py 2>&1 | tail -23
 t "convert 7b"
 timeout 200 nanoqwen convert --synthetic 7b --tokenizer .tok/tokenizer.json -o /tmp/7b.nanoqwen 2>&1 | tail -2
 for m in graph eager; do

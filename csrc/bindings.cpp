@@ -31,6 +31,15 @@
 
 namespace nanoqwen_ops {
 
+// Scoped: SDPA calls in this scope do not pick the cuDNN backend (Engine::attention says why).
+struct NoCudnnSdp {
+  bool was = at::globalContext().userEnabledCuDNNSDP();
+  NoCudnnSdp() { at::globalContext().setSDPUseCuDNN(false); }
+  ~NoCudnnSdp() { at::globalContext().setSDPUseCuDNN(was); }
+  NoCudnnSdp(const NoCudnnSdp&) = delete;
+  NoCudnnSdp& operator=(const NoCudnnSdp&) = delete;
+};
+
 using at::Tensor;
 using Ts = std::initializer_list<const Tensor*>;
 
@@ -794,6 +803,11 @@ class Engine : public torch::CustomClassHolder {
     Tensor v = v_l.index_select(0, table).reshape({used * nanoqwen::kPageSize, nkv, hd})
                    .narrow(0, 0, s).permute({1, 0, 2}).unsqueeze(0);
     Tensor qq = q.permute({1, 0, 2}).unsqueeze(0);                                  // [1, nh, Tc, D]
+    // Not cuDNN's SDPA, PyTorch's first choice on Hopper: it builds an execution plan for each
+    // new sequence length, measured 60-90 ms on the first prefill at a length (every chat turn
+    // has a new one) against 6-11 ms after (benchmarks/RESULTS.md, session 6); flash and
+    // memory-efficient attention take any length as it comes.
+    NoCudnnSdp no_cudnn;
     Tensor out;
     if (q0 == 0) {
       out = at::scaled_dot_product_attention(qq, k, v, {}, 0.0, true, c10::nullopt, true);
