@@ -58,10 +58,14 @@ class ModelLoaded(Message):
 
 
 class ModelFailed(Message):
-    def __init__(self, path: Path, reason: str) -> None:
+    """The model could not be opened; `unavailable`, when the file is not the reason: the
+    backend asked for, which cannot run on this machine."""
+
+    def __init__(self, path: Path, reason: str, unavailable: str | None = None) -> None:
         super().__init__()
         self.path = path
         self.reason = reason
+        self.unavailable = unavailable
 
 
 class LoadProgress(Message):
@@ -140,10 +144,13 @@ class NanoqwenApp(App[None]):
                 last = now
                 self.post_message(LoadProgress(done, total, what))
 
-        from nanoqwen.engine.errors import NanoqwenError
+        from nanoqwen.engine.errors import BackendUnavailable, NanoqwenError
 
         try:
             engine = EngineService.open(path, backend=backend, mode=mode, progress=progress)
+        except BackendUnavailable as e:   # the machine's state, not the file's
+            self.post_message(ModelFailed(path, str(e),
+                                          unavailable=backend if backend != "auto" else None))
         except NanoqwenError as e:
             self.post_message(ModelFailed(path, str(e)))
         except Exception as e:  # noqa: BLE001 - an unusable file must not become a traceback
@@ -175,8 +182,14 @@ class NanoqwenApp(App[None]):
     def on_model_failed(self, m: ModelFailed) -> None:
         self.loading = False
         self.chat.hide_loading()
-        reason = (f"Could not use the model {m.path}:\n\n{m.reason}\n\n"
-                  "Pick another .nanoqwen file, or Cancel to continue without a model.")
+        if m.unavailable is not None:
+            reason = (f"The {m.unavailable} backend cannot run on this machine: {m.reason}\n\n"
+                      f"The model file {m.path} was not the problem: start nanoqwen-chat "
+                      "with --backend auto (or reference) to use it on the CPU. Cancel "
+                      "continues without a model.")
+        else:
+            reason = (f"Could not use the model {m.path}:\n\n{m.reason}\n\n"
+                      "Pick another .nanoqwen file, or Cancel to continue without a model.")
         self.push_screen(ModelScreen(str(m.path), reason), self._picked_model)
 
     def _picked_model(self, path: str | None) -> None:

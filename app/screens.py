@@ -68,7 +68,11 @@ class SettingsScreen(ModalScreen[Settings | None]):
                                     select_on_focus=False)
                         yield Static(f"[dim]{hint}[/]", classes="hint", id=f"{name}-error")
                     yield Label(LABELS["decode_mode"])
-                    yield Select([(m, m) for m in DECODE_MODES], value=s.decode_mode,
+                    # only the modes the loaded backend has; the saved choice shows where
+                    # it is one of them (it stays saved for a backend that has it)
+                    offered = [m for m in DECODE_MODES if self.modes is None or m in self.modes]
+                    yield Select([(m, m) for m in offered],
+                                 value=s.decode_mode if s.decode_mode in offered else offered[0],
                                  allow_blank=False, id="decode_mode", compact=True)
                     yield Static(self._mode_hint(), classes="hint", id="decode_mode-error")
                 yield Label(LABELS["system_prompt"] + " [dim](empty: the model's default)[/]")
@@ -90,7 +94,10 @@ class SettingsScreen(ModalScreen[Settings | None]):
     def form(self) -> dict:
         f: dict = {name: self.query_one(f"#{name}", Input).value for name, _ in _NUMBER_FIELDS}
         f["greedy"] = self.query_one("#greedy", Switch).value
-        f["decode_mode"] = self.query_one("#decode_mode", Select).value
+        picked = self.query_one("#decode_mode", Select).value
+        # a backend with one mode offers no choice: the saved one (for other backends) stays
+        f["decode_mode"] = picked if self.modes is None or len(self.modes) > 1 \
+            else self.settings.decode_mode
         f["system_prompt"] = self.query_one("#system_prompt", TextArea).text
         return f
 

@@ -88,6 +88,12 @@ async def reply_done(app, pilot, timeout: float = 90.0) -> None:
     await pilot.pause(0.05)
 
 
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def notes(app) -> list[str]:
     return [n.message for n in app._notifications]
 
@@ -265,6 +271,24 @@ async def test_toggle_decode_mode_on_reference_says_there_is_only_eager(dirs, ti
 
 
 @aio
+async def test_settings_offer_only_the_backends_decode_modes_and_keep_the_saved_one(
+        dirs, tiny_model_path):
+    use_settings(decode_mode="graph")      # chosen for the CUDA backend
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        assert app.engine.info.modes == ("eager",)
+        await pilot.press("ctrl+s")
+        select = app.screen.query_one("#decode_mode")
+        assert [o[1] for o in select._options] == ["eager"] and select.value == "eager"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert not isinstance(app.screen, SettingsScreen)
+    # saved on the CPU, the CUDA backend's choice is still there for a machine that has it
+    assert json.loads(default_settings_path().read_text())["decode_mode"] == "graph"
+
+
+@aio
 async def test_sampler_setting_survives_a_restart(dirs, tiny_model_path):
     use_settings()
     app = NanoqwenApp(model=tiny_model_path)
@@ -430,6 +454,19 @@ async def test_corrupt_model_opens_the_error_screen_then_the_picker_loads_one(
         await pilot.press("enter")
         await loaded(app, pilot)
         assert not isinstance(app.screen, ModelScreen)
+
+
+@pytest.mark.skipif(torch_cuda_available(), reason="the CUDA backend runs on this machine")
+@aio
+async def test_a_backend_this_machine_cannot_run_is_named_not_the_file(dirs, tiny_model_path):
+    use_settings()
+    app = NanoqwenApp(model=tiny_model_path, backend="cuda")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, ModelScreen), 30, "the error screen")
+        msg = str(app.screen.query_one("#path-message").render())
+        assert "The cuda backend cannot run on this machine" in msg
+        assert "was not the problem" in msg and "--backend auto" in msg
+        assert "Could not use the model" not in msg and app.engine is None
 
 
 @aio
