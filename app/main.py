@@ -32,6 +32,7 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.screen import Screen
 
+from nanoqwen.engine.sampling import SamplerParams
 from nanoqwen.engine.service import EngineService, default_model_path
 
 from .chat import CHAT_ACTIONS, ChatScreen
@@ -98,6 +99,7 @@ class NanoqwenApp(App[None]):
             self.store = ChatStore(":memory:")
             self._store_warning = f"{e}. Chats of this session will not be saved."
         self.engine: EngineService | None = None   # the loaded model, through the service
+        self.model_sampler: SamplerParams | None = None   # its file's sampler defaults
         self.loading = False
 
     # A mode (not get_default_screen) so Textual loads the screen's own CSS_PATH.
@@ -168,6 +170,14 @@ class NanoqwenApp(App[None]):
             old.close()
         info = m.engine.info
         self.settings.last_model = str(info.path.resolve())
+        try:
+            self.model_sampler = SamplerParams.model_defaults(info.generation)
+        except ValueError as e:   # a file whose generation config the engine refuses
+            self.model_sampler = None
+            self.notify(f"The model's generation defaults are not usable ({e}); the saved "
+                        "sampler settings apply", severity="warning")
+        if self.settings.model_sampler and self.model_sampler is not None:
+            self.settings = self.settings.with_model_sampler(self.model_sampler)
         self._save_settings()
         self.chat.model_ready(ModelInfo(info.backend, info.device, info.name, info.modes,
                                         m.engine.mode, info.max_context, info.fallback))
@@ -209,7 +219,8 @@ class NanoqwenApp(App[None]):
 
     def action_settings(self) -> None:
         modes = self.engine.info.modes if self.engine else None
-        self.push_screen(SettingsScreen(self.settings, modes), self._settings_done)
+        defaults = self.model_sampler if self.engine else None
+        self.push_screen(SettingsScreen(self.settings, modes, defaults), self._settings_done)
 
     def _settings_done(self, new: Settings | None) -> None:
         if new is None:

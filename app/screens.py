@@ -22,7 +22,9 @@ from textual.widgets import (Button, Input, Label, OptionList, Select, Static, S
                              TextArea)
 from textual.widgets.option_list import Option
 
-from .settings import DECODE_MODES, LABELS, Settings, SettingsError
+from nanoqwen.engine.sampling import SamplerParams
+
+from .settings import DECODE_MODES, LABELS, SAMPLER_FIELDS, Settings, SettingsError
 from .store import ChatSummary
 
 # Numeric fields in form order: (field, hint shown beside the input)
@@ -47,10 +49,12 @@ class SettingsScreen(ModalScreen[Settings | None]):
         Binding("ctrl+s", "save", "Save", priority=True),
     ]
 
-    def __init__(self, settings: Settings, modes: tuple[str, ...] | None = None) -> None:
+    def __init__(self, settings: Settings, modes: tuple[str, ...] | None = None,
+                 model_sampler: SamplerParams | None = None) -> None:
         super().__init__()
         self.settings = settings
         self.modes = modes  # what the loaded backend can do; None: no model loaded
+        self.model_sampler = model_sampler  # the loaded model's sampler defaults
 
     def compose(self) -> ComposeResult:
         s = self.settings
@@ -81,6 +85,9 @@ class SettingsScreen(ModalScreen[Settings | None]):
             with Horizontal(id="settings-buttons"):
                 yield Button("Save", variant="primary", id="save", compact=True)
                 yield Button("Cancel", id="cancel", compact=True)
+                yield Button("Model's defaults", id="model-defaults", compact=True,
+                             disabled=self.model_sampler is None,
+                             tooltip="the sampler values the model file comes with")
             yield Static("[dim]ctrl+s save · esc cancel · applies to the next reply[/]",
                          id="settings-footer")
 
@@ -115,7 +122,26 @@ class SettingsScreen(ModalScreen[Settings | None]):
                 f"[b]{len(e.errors)} setting(s) need fixing[/]: " + "; ".join(e.errors.values()))
             self.notify(str(e), title="Invalid settings", severity="error")
             return
+        # sampling as the model's defaults do: the sampler follows the model (the next one too)
+        new.model_sampler = (self.model_sampler is not None and new.same_sampler(
+            new.with_model_sampler(self.model_sampler))) or (
+            self.model_sampler is None and self.settings.model_sampler
+            and new.same_sampler(self.settings))
         self.dismiss(new)
+
+    def action_model_defaults(self) -> None:
+        """Fill the sampler fields with the loaded model's defaults (Save keeps them)."""
+        if self.model_sampler is None:
+            return
+        d = self.settings.with_model_sampler(self.model_sampler)
+        self.query_one("#greedy", Switch).value = d.greedy
+        for name, _ in _NUMBER_FIELDS:
+            if name in SAMPLER_FIELDS:
+                self.query_one(f"#{name}", Input).value = str(getattr(d, name))
+
+    @on(Button.Pressed, "#model-defaults")
+    def _model_defaults_pressed(self) -> None:
+        self.action_model_defaults()
 
     def action_cancel(self) -> None:
         self.dismiss(None)

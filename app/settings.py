@@ -23,6 +23,8 @@ import platformdirs
 from nanoqwen.engine.sampling import SamplerError, SamplerParams, is_int, is_real
 
 DECODE_MODES = ("graph", "eager")
+SAMPLER_FIELDS = ("greedy", "temperature", "top_k", "top_p", "min_p", "repeat_penalty",
+                  "repeat_last_n", "seed")
 MAX_NEW_TOKENS_LIMIT = 32768
 _DEFAULT_SAMPLER = SamplerParams()
 
@@ -48,6 +50,7 @@ LABELS = {
     "max_new_tokens": "Max new tokens",
     "system_prompt": "System prompt",
     "decode_mode": "Decode mode",
+    "model_sampler": "Sampler from the model",
 }
 
 
@@ -65,6 +68,23 @@ class Settings:
     system_prompt: str = ""          # empty: the model's chat template default
     decode_mode: str = "graph"       # wanted mode; a backend without it runs its only mode
     last_model: str | None = None    # the model to open next time
+    # the sampler fields follow the loaded model's generation defaults (with_model_sampler)
+    # until the person saves other values
+    model_sampler: bool = True
+
+    def with_model_sampler(self, params: SamplerParams) -> Settings:
+        """A copy whose sampler fields are `params` (a model's defaults: temperature 0 is
+        greedy, the temperature field then keeps its value), marked model_sampler."""
+        greedy = params.temperature == 0
+        return dataclasses.replace(
+            self, greedy=greedy, temperature=self.temperature if greedy else params.temperature,
+            top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+            repeat_penalty=params.repeat_penalty, repeat_last_n=params.repeat_last_n,
+            seed=params.seed, model_sampler=True)
+
+    def same_sampler(self, other: Settings) -> bool:
+        """Whether the two sample alike (what the sampler fields give the engine)."""
+        return self.sampler_params() == other.sampler_params()
 
     def validate(self) -> Settings:
         """Raise SettingsError listing every bad field; return self when all are fine."""
@@ -92,6 +112,7 @@ class Settings:
         need(is_int(self.max_new_tokens) and 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT,
              "max_new_tokens", f"must be a whole number from 1 to {MAX_NEW_TOKENS_LIMIT}")
         need(isinstance(self.system_prompt, str), "system_prompt", "must be text")
+        need(isinstance(self.model_sampler, bool), "model_sampler", "must be true or false")
         need(self.decode_mode in DECODE_MODES, "decode_mode",
              f"must be one of {', '.join(DECODE_MODES)}")
         if not errors:
@@ -169,6 +190,8 @@ def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
         return Settings(), f"Settings file {path} could not be read ({e}); using defaults"
     known = {f.name for f in dataclasses.fields(Settings)}
     values = {k: v for k, v in data.items() if k in known}
+    # a file from before model_sampler holds sampler values someone chose: keep them
+    values.setdefault("model_sampler", False)
     problems = [f"unknown key {k!r}" for k in sorted(set(data) - known)]
     try:
         return Settings(**values).validate(), ("; ".join(problems) or None) and \

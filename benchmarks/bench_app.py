@@ -267,7 +267,7 @@ async def run(args) -> dict:
     from nanoqwen.engine import loader
 
     model = Path(args.model) if args.model else loader.default_model_path()
-    save_settings(Settings(greedy=True, max_new_tokens=args.tokens,
+    save_settings(Settings(greedy=True, model_sampler=False, max_new_tokens=args.tokens,
                            decode_mode=args.mode or "graph"))
     clock = ScreenClock()
     app = NanoqwenApp(model=model, backend=args.backend, mode=args.mode)

@@ -38,7 +38,7 @@ def sampler_params(args, generation: dict | None) -> SamplerParams:
     if temp is not None and not 0 <= temp < float("inf"):
         raise NanoqwenError(f"--temp {temp:g}: the temperature must be 0 (greedy) or a finite "
                             "number > 0")
-    base = SamplerParams.from_generation_config(generation) if generation else SamplerParams()
+    base = SamplerParams.model_defaults(generation)
     d = base.to_dict()
     for flag, fld in _FLAGS.items():
         v = getattr(args, flag, None)

@@ -103,6 +103,12 @@ class SamplerParams:
         return cls(**dict(d)).validate()
 
     @classmethod
+    def model_defaults(cls, generation: Mapping[str, Any] | None) -> SamplerParams:
+        """A model's sampler defaults: its file's generation config (from_generation_config),
+        or ours when the file has none. The CLI's and the app's starting point."""
+        return cls.from_generation_config(generation) if generation else cls()
+
+    @classmethod
     def from_generation_config(cls, gc: Mapping[str, Any]) -> SamplerParams:
         """Settings from a Hugging Face generation_config.json dict.
 

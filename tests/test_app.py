@@ -7,6 +7,7 @@ Replies use greedy decoding so a reply can be compared with a direct ChatSession
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import functools
 import json
@@ -54,7 +55,7 @@ def dirs(tmp_path, monkeypatch):
 
 
 def use_settings(**kw) -> Settings:
-    s = Settings(**{"greedy": True, "max_new_tokens": 24, **kw})
+    s = Settings(**{"greedy": True, "max_new_tokens": 24, "model_sampler": False, **kw})
     save_settings(s)
     return s
 
@@ -286,6 +287,41 @@ async def test_settings_offer_only_the_backends_decode_modes_and_keep_the_saved_
         assert not isinstance(app.screen, SettingsScreen)
     # saved on the CPU, the CUDA backend's choice is still there for a machine that has it
     assert json.loads(default_settings_path().read_text())["decode_mode"] == "graph"
+
+
+@aio
+async def test_the_models_generation_defaults_are_the_apps_until_changed(dirs):
+    """The bundled file's generation config (temperature 0.2, top-k 20, top-p 0.9, min-p
+    0.05) is the app's sampler on a fresh install, the same as `nanoqwen generate` uses;
+    a changed value is kept over it (also after a restart); "Model's defaults" goes back."""
+    from nanoqwen.engine.cli_generate import sampler_params as cli_params
+    from nanoqwen.engine.service import default_model_path
+
+    bundled = default_model_path()
+    app = NanoqwenApp(model=bundled)           # no settings file: a fresh install
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        gen = app.engine.info.generation
+        assert gen and gen["temperature"] == 0.2
+        want = cli_params(argparse.Namespace(), gen)   # the CLI with no sampler flags
+        assert app.settings.model_sampler and app.settings.sampler_params() == want
+        await pilot.press("ctrl+s")
+        field = app.screen.query_one("#top_k")
+        field.value = "7"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert not app.settings.model_sampler and app.settings.top_k == 7
+    app = NanoqwenApp(model=bundled)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        assert app.settings.top_k == 7 and not app.settings.model_sampler   # kept over the file
+        await pilot.press("ctrl+s")
+        await pilot.click("#model-defaults")
+        assert app.screen.query_one("#top_k").value == "20"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert app.settings.model_sampler and app.settings.sampler_params() == want
+    assert json.loads(default_settings_path().read_text())["model_sampler"] is True
 
 
 @aio
