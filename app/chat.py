@@ -189,13 +189,24 @@ class ChatScreen(Screen):
         else:
             self.app.title = "nanoqwen-chat"
         box.scroll_end(animate=False)
+        prompt = self.query_one("#prompt", PromptInput)
+        prompt.prompts = [m.content for m in stored if m.role == "user"]   # Up recalls them
+        prompt.remember("")
         self._update_context(self._history(stored))  # the rows just read, not a second query
 
     # --- sending -------------------------------------------------------------------------
     @on(PromptInput.Submitted)
     async def _submitted(self, event: PromptInput.Submitted) -> None:
         if await self.send(event.text):
-            self.query_one("#prompt", PromptInput).clear()
+            prompt = self.query_one("#prompt", PromptInput)
+            prompt.remember(event.text)
+            prompt.clear()
+
+    @on(PromptInput.ScrollChat)
+    def _scroll_chat(self, event: PromptInput.ScrollChat) -> None:
+        box = self.query_one("#messages", VerticalScroll)
+        {"pageup": box.scroll_page_up, "pagedown": box.scroll_page_down,
+         "home": box.scroll_home, "end": box.scroll_end}[event.key](animate=False)
 
     async def send(self, text: str) -> bool:
         """Send a user message; False (with a notification) if it cannot go now."""

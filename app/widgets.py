@@ -51,14 +51,71 @@ FINISH_NOTES = {
 
 class PromptInput(TextArea):
     """Multi-line prompt. Enter sends; Shift+Enter and Ctrl+J insert a newline (many
-    terminals cannot tell Shift+Enter from Enter, Ctrl+J always arrives as its own key)."""
+    terminals cannot tell Shift+Enter from Enter, Ctrl+J always arrives as its own key).
+    Up on the first line and Down on the last walk through earlier prompts (as a shell
+    does; the unsent draft comes back after the newest); PageUp/PageDown, and Home/End in
+    an empty prompt, scroll the conversation (ScrollChat) instead of moving the cursor."""
 
     class Submitted(Message):
         def __init__(self, text: str) -> None:
             super().__init__()
             self.text = text
 
+    class ScrollChat(Message):
+        """Scroll the conversation: the key ("pageup", "pagedown", "home", "end")."""
+
+        def __init__(self, key: str) -> None:
+            super().__init__()
+            self.key = key
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.prompts: list[str] = []     # earlier prompts, oldest first (Up recalls them)
+        self._recall: int | None = None  # the history entry shown, None: the person's draft
+        self._draft = ""
+
+    def remember(self, text: str) -> None:
+        """`text` was sent: the newest entry of the history; the draft starts afresh."""
+        if text.strip() and (not self.prompts or self.prompts[-1] != text):
+            self.prompts.append(text)
+        self._recall, self._draft = None, ""
+
+    def _show(self, text: str, at_end: bool) -> None:
+        self.text = text
+        self.move_cursor(self.document.end if at_end else (0, 0))
+
+    def _recall_key(self, key: str) -> bool:
+        """Up on the first line goes to the previous prompt, Down on the last line to the
+        next one and past the newest back to the draft; False when the key is not that."""
+        row = self.cursor_location[0]
+        if key == "up" and row == 0 and self.prompts:
+            i = len(self.prompts) if self._recall is None else self._recall
+            if i == 0:
+                return True                      # the oldest: stay
+            if self._recall is None:
+                self._draft = self.text
+            self._recall = i - 1
+            self._show(self.prompts[i - 1], at_end=False)
+            return True
+        if key == "down" and self._recall is not None and row == self.document.line_count - 1:
+            i = self._recall + 1
+            self._recall = i if i < len(self.prompts) else None
+            self._show(self.prompts[i] if i < len(self.prompts) else self._draft, at_end=True)
+            return True
+        return False
+
     async def _on_key(self, event: events.Key) -> None:
+        # PageUp/PageDown scroll the conversation; Home/End too when there is nothing to edit
+        if event.key in ("pageup", "pagedown") or (event.key in ("home", "end")
+                                                   and not self.text):
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.ScrollChat(event.key))
+            return
+        if event.key in ("up", "down") and self._recall_key(event.key):
+            event.stop()
+            event.prevent_default()
+            return
         if event.key == "enter":
             event.stop()
             event.prevent_default()

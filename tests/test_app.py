@@ -325,6 +325,59 @@ async def test_the_models_generation_defaults_are_the_apps_until_changed(dirs):
 
 
 @aio
+async def test_the_prompt_recalls_earlier_prompts_and_scrolls_the_conversation(
+        dirs, tiny_model_path):
+    use_settings(max_new_tokens=60)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        sent = ["first question", "second\nover two lines", "third"]
+        for text in sent:
+            await send(app, pilot, text)
+            await reply_done(app, pilot)
+        prompt = app.chat.query_one("#prompt", PromptInput)
+        prompt.focus()
+        await pilot.press(*"draft")
+        for want in reversed(sent):                    # Up on the first line: back in time
+            await pilot.press("up")
+            assert prompt.text == want
+        await pilot.press("up")
+        assert prompt.text == sent[0]                  # the oldest stays
+        await pilot.press("down")                      # forward: the cursor at the end
+        assert prompt.text == sent[1] and prompt.cursor_location[0] == 1
+        await pilot.press("up")                        # not on the first line: Up edits
+        assert prompt.text == sent[1] and prompt.cursor_location[0] == 0
+        await pilot.press("up")
+        assert prompt.text == sent[0]
+        await pilot.press("down", "down")              # sent[1] (ends on its last line)
+        assert prompt.text == sent[2]
+        await pilot.press("down")
+        assert prompt.text == "draft"                  # past the newest: the draft again
+        # PageUp / PageDown scroll the conversation, not the prompt's cursor
+        box = app.chat.query_one("#messages")
+        await pilot.pause()
+        assert box.max_scroll_y > 0 and box.scroll_y == box.max_scroll_y
+        await pilot.press("pageup")
+        await pilot.pause()
+        assert box.scroll_y < box.max_scroll_y and prompt.text == "draft"
+        await pilot.press("pagedown", "pagedown", "pagedown")
+        await pilot.pause()
+        assert box.scroll_y == box.max_scroll_y
+        prompt.clear()
+        await pilot.press("home")                      # an empty prompt: Home/End scroll too
+        await pilot.pause()
+        assert box.scroll_y == 0
+        await pilot.press("end")
+        await pilot.pause()
+        assert box.scroll_y == box.max_scroll_y
+        # a reopened chat recalls its own prompts
+        app.chat.open_chat(app.chat.chat_id)
+        await pilot.pause()
+        await pilot.press("up")
+        assert prompt.text == sent[-1]
+
+
+@aio
 async def test_sampler_setting_survives_a_restart(dirs, tiny_model_path):
     use_settings()
     app = NanoqwenApp(model=tiny_model_path)
