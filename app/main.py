@@ -81,8 +81,10 @@ class NanoqwenApp(App[None]):
 
     def __init__(self, model: str | Path | None = None, backend: str = "auto",
                  mode: str | None = None, settings_path: Path | None = None,
-                 db_path: Path | None = None, freeze_perf: bool | None = None) -> None:
+                 db_path: Path | None = None, freeze_perf: bool | None = None,
+                 threads: int | None = None) -> None:
         super().__init__()
+        self.threads_arg = threads   # --threads: over the saved CPU threads setting
         self.model_arg = Path(model) if model else None
         self.backend_arg = backend
         self.mode_arg = mode
@@ -149,7 +151,9 @@ class NanoqwenApp(App[None]):
         from nanoqwen.engine.errors import BackendUnavailable, NanoqwenError
 
         try:
-            engine = EngineService.open(path, backend=backend, mode=mode, progress=progress)
+            threads = self.threads_arg or self.settings.cpu_threads or None   # 0: per core
+            engine = EngineService.open(path, backend=backend, mode=mode, progress=progress,
+                                        threads=threads)
         except BackendUnavailable as e:   # the machine's state, not the file's
             self.post_message(ModelFailed(path, str(e),
                                           unavailable=backend if backend != "auto" else None))
@@ -303,8 +307,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto: CUDA when a GPU and the built extension are there")
     ap.add_argument("--mode", choices=["graph", "eager"], default=None,
                     help="decode mode to start in (default: the saved setting)")
+    ap.add_argument("--threads", "-t", type=int, default=None,
+                    help="CPU threads of the reference backend (default: the saved setting, "
+                         "else one per core)")
     args = ap.parse_args(argv)
-    NanoqwenApp(model=args.model, backend=args.backend, mode=args.mode).run()
+    NanoqwenApp(model=args.model, backend=args.backend, mode=args.mode,
+                threads=args.threads).run()
     return 0
 
 

@@ -37,6 +37,7 @@ _NUMBER_FIELDS = [
     ("repeat_last_n", "tokens; -1 = all"),
     ("seed", "-1 = random"),
     ("max_new_tokens", "per reply"),
+    ("cpu_threads", "CPU backend; 0 = per core; next load"),
 ]
 
 

@@ -51,6 +51,7 @@ LABELS = {
     "system_prompt": "System prompt",
     "decode_mode": "Decode mode",
     "model_sampler": "Sampler from the model",
+    "cpu_threads": "CPU threads",
 }
 
 
@@ -68,6 +69,7 @@ class Settings:
     system_prompt: str = ""          # empty: the model's chat template default
     decode_mode: str = "graph"       # wanted mode; a backend without it runs its only mode
     last_model: str | None = None    # the model to open next time
+    cpu_threads: int = 0             # the CPU backend's threads; 0: one per core
     # the sampler fields follow the loaded model's generation defaults (with_model_sampler)
     # until the person saves other values
     model_sampler: bool = True
@@ -113,6 +115,9 @@ class Settings:
              "max_new_tokens", f"must be a whole number from 1 to {MAX_NEW_TOKENS_LIMIT}")
         need(isinstance(self.system_prompt, str), "system_prompt", "must be text")
         need(isinstance(self.model_sampler, bool), "model_sampler", "must be true or false")
+        cores = os.cpu_count() or 1
+        need(is_int(self.cpu_threads) and 0 <= self.cpu_threads <= cores, "cpu_threads",
+             f"must be a whole number from 0 (one per core) to {cores} (this machine's CPUs)")
         need(self.decode_mode in DECODE_MODES, "decode_mode",
              f"must be one of {', '.join(DECODE_MODES)}")
         if not errors:

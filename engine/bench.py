@@ -149,7 +149,8 @@ def cli_bench(args) -> int:
         if args.n_prompt + args.n_gen + 1 > limit:
             raise NanoqwenError(f"-p + -n = {args.n_prompt + args.n_gen} exceeds the model's "
                                 f"context {limit}")
-        loaded = loader.load(path, backend=args.backend, max_context=min(max_context, limit))
+        loaded = loader.load(path, backend=args.backend, max_context=min(max_context, limit),
+                             threads=args.threads)
         backend = loaded.backend
         source = str(path)
         size = sum(t.nbytes for t in loaded.model_file.tensors.values())
@@ -185,9 +186,9 @@ def cli_bench(args) -> int:
 
 
 def _threads(backend) -> int | None:
-    """torch's intra-op threads when the backend computes on the CPU (what the figure used)."""
+    """The CPU backend's threads (what the figure used), as its compute thread has them."""
     if backend.device_name != "cpu":
         return None
-    import torch
+    from .backends.reference import set_cpu_threads
 
-    return torch.get_num_threads()
+    return set_cpu_threads(None)

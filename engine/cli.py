@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="no chat template: continue the text")
     g.add_argument("-n", "--n-predict", type=int, default=256, help="max new tokens")
     g.add_argument("--backend", choices=["auto", "cuda", "reference"], default="auto")
+    g.add_argument("-t", "--threads", type=int, default=None,
+                    help="CPU threads of the reference backend (default: one per core)")
     g.add_argument("--mode", choices=["graph", "eager"], default="graph", help="CUDA decode mode")
     g.add_argument("--stats", action="store_true", help="print timing to stderr at the end")
     add_sampler_args(g)
@@ -102,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--mode", default=None,
                    help="comma list of graph, eager (default: every mode the backend has)")
     b.add_argument("--backend", choices=["auto", "cuda", "reference"], default="auto")
+    b.add_argument("-t", "--threads", type=int, default=None,
+                    help="CPU threads of the reference backend (default: one per core)")
     b.add_argument("--json", action="store_true")
     return ap
 

@@ -61,7 +61,8 @@ def cli_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise NanoqwenError("the prompt is empty (give --prompt or text on stdin)")
-    engine = EngineService.open(args.model, backend=args.backend, mode=args.mode)
+    engine = EngineService.open(args.model, backend=args.backend, mode=args.mode,
+                                threads=args.threads)
     try:
         info = engine.info
         params = sampler_params(args, info.generation)

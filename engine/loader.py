@@ -61,13 +61,15 @@ def _cuda_backend(mf: ModelFile, mode: str, max_context: int | None,
 
 def load(path: str | Path | None = None, backend: str = "auto", mode: str = "graph",
          progress: Progress | None = None, max_context: int | None = None,
-         verify: bool = True) -> LoadedEngine:
+         verify: bool = True, threads: int | None = None) -> LoadedEngine:
     """Open `path` (default: the bundled model) and build `backend` ("auto"|"cuda"|"reference").
 
     `mode` is the decode mode to start in where the backend has it (the reference backend
     only has "eager" and ignores it). `max_context` caps the KV cache (default: the
     backend's own default). `verify` checks every tensor's checksum before any is used
-    (module doc). Raises FormatError for an unusable or corrupt file, BackendUnavailable for
+    (module doc). `threads`: the CPU backend's OpenMP threads (reference.set_cpu_threads;
+    None: one per core); set before any weight is read, ignored by the CUDA backend. Raises
+    FormatError for an unusable or corrupt file, BackendUnavailable for
     an explicit "cuda" that cannot run.
     """
     if backend not in BACKENDS:
@@ -96,9 +98,11 @@ def load(path: str | Path | None = None, backend: str = "auto", mode: str = "gra
                     raise
                 reason = str(e)
         if be is None:
-            from .backends.reference import ReferenceBackend
+            from .backends.reference import ReferenceBackend, set_cpu_threads
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
+            if device == "cpu":
+                set_cpu_threads(threads)
             be = ReferenceBackend.from_model_file(mf, device=device, max_context=max_context,
                                                   progress=progress)
         if mode in be.modes:

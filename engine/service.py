@@ -140,12 +140,15 @@ class EngineService:
     # --- loading ------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | Path, backend: str = "auto", mode: str = "graph",
-             progress: Callable[[int, int, str], None] | None = None) -> EngineService:
+             progress: Callable[[int, int, str], None] | None = None,
+             threads: int | None = None) -> EngineService:
         """Load a model; "auto" falls back to the reference backend and says why.
+        `threads`: the CPU backend's threads (None: one per core; loader.load).
         Raises NanoqwenError (bad file, explicit backend unavailable) with a message."""
         from . import loader
 
-        eng = loader.load(Path(path), backend=backend, mode=mode, progress=progress)
+        eng = loader.load(Path(path), backend=backend, mode=mode, progress=progress,
+                          threads=threads)
         be = eng.backend
         warnings = []
         if mode not in be.modes:

@@ -378,6 +378,26 @@ async def test_the_prompt_recalls_earlier_prompts_and_scrolls_the_conversation(
 
 
 @aio
+async def test_the_cpu_threads_setting_and_flag_reach_the_backend(dirs, tiny_model_path):
+    from nanoqwen.engine.backends.reference import set_cpu_threads
+
+    before = set_cpu_threads(None)
+    try:
+        use_settings(cpu_threads=1)
+        app = NanoqwenApp(model=tiny_model_path)
+        async with app.run_test(size=SIZE) as pilot:
+            await loaded(app, pilot)
+            assert set_cpu_threads(None) == 1
+        if (os.cpu_count() or 1) >= 2:       # the flag wins over the setting
+            app = NanoqwenApp(model=tiny_model_path, threads=2)
+            async with app.run_test(size=SIZE) as pilot:
+                await loaded(app, pilot)
+                assert set_cpu_threads(None) == 2
+    finally:
+        set_cpu_threads(before)
+
+
+@aio
 async def test_sampler_setting_survives_a_restart(dirs, tiny_model_path):
     use_settings()
     app = NanoqwenApp(model=tiny_model_path)

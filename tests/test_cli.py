@@ -7,6 +7,7 @@ interpreter start-up.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -86,6 +87,20 @@ def test_not_a_model_file(tmp_path, capsys):
     junk.write_bytes(b"hello, not a model" * 10)
     assert main(["generate", "-m", str(junk), "-p", "hi"]) == 1
     assert "not a .nanoqwen file" in capsys.readouterr().err
+
+
+def test_threads_reach_the_cpu_backend_and_bad_counts_are_refused(tiny_model_path):
+    """In subprocesses: the thread count is the process's (the CPU backend's one team)."""
+    import json
+
+    r = nanoqwen("bench", "-m", str(tiny_model_path), "--backend", "reference", "-p", "8",
+                 "-n", "4", "-r", "1", "-t", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["threads"] == 1
+    too_many = str((os.cpu_count() or 1) + 1)
+    r = nanoqwen("generate", "-m", str(tiny_model_path), "-p", "hi", "-n", "2", "-t", too_many)
+    assert r.returncode == 1 and f"threads={too_many}" in r.stderr
+    assert "this machine's CPUs" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("flags, named", [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -48,6 +49,8 @@ def test_missing_file_gives_defaults_silently(tmp_path):
     ({"max_new_tokens": "0"}, "max_new_tokens", "Max new tokens must be a whole number from 1"),
     ({"decode_mode": "turbo"}, "decode_mode", "Decode mode must be one of graph, eager"),
     ({"temperature": "nan"}, "temperature", "Temperature must be a number > 0"),
+    ({"cpu_threads": "-1"}, "cpu_threads", "CPU threads must be a whole number from 0"),
+    ({"cpu_threads": str((os.cpu_count() or 1) + 1)}, "cpu_threads", "this machine's CPUs"),
 ])
 def test_invalid_form_values_are_rejected_with_a_message(form, field, words):
     with pytest.raises(SettingsError) as e:

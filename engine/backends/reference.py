@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..errors import NanoqwenError
 from ..kv_cache import KVCache
 from ..quant import dequantize
 from .base import Backend, ModelFileTensors, StepEvent
@@ -90,6 +91,21 @@ class _ComputeThread:
 _COMPUTE = _ComputeThread()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_COMPUTE._after_fork)
+
+
+def set_cpu_threads(n: int | None) -> int:
+    """OpenMP threads for the process's CPU work (the one compute thread's team, so every
+    ReferenceBackend shares it); None keeps PyTorch's default (a thread per core). Returns
+    the count now in force. Measured on 2 cores with the app running (bench_app, bundled
+    model): 2 threads gave a 2.3 s turn, 1 thread 2.8 s, so the default is all cores; on a
+    machine another process keeps busy fewer can be faster (issue 11: 20.3 vs 13.0 ms/token)."""
+    if n is not None:
+        cores = os.cpu_count() or 1
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cores:
+            raise NanoqwenError(f"threads={n!r}: give a whole number from 1 to {cores} "
+                                "(this machine's CPUs)")
+        _COMPUTE.call(torch.set_num_threads, n)
+    return _COMPUTE.call(torch.get_num_threads)
 
 
 def _inline(fn: Callable, *args):
