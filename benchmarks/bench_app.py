@@ -207,6 +207,13 @@ def engine_turn(session, text: str, params, n: int) -> dict:
 
 
 # --- the app ------------------------------------------------------------------------------------
+def _cpu_threads() -> int:
+    """The CPU backend's threads, as its compute thread has them."""
+    from nanoqwen.engine.backends.reference import set_cpu_threads
+
+    return set_cpu_threads(None)
+
+
 async def until(cond, timeout: float, what: str) -> None:
     t0 = time.monotonic()
     while not cond():
@@ -270,7 +277,7 @@ async def run(args) -> dict:
     save_settings(Settings(greedy=True, model_sampler=False, max_new_tokens=args.tokens,
                            decode_mode=args.mode or "graph"))
     clock = ScreenClock()
-    app = NanoqwenApp(model=model, backend=args.backend, mode=args.mode)
+    app = NanoqwenApp(model=model, backend=args.backend, mode=args.mode, threads=args.threads)
     turns: list[dict] = []
     meta: dict = {}
     async with app.run_test(size=(args.width, args.height)):
@@ -412,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--height", type=int, default=40)
     ap.add_argument("--load-timeout", type=float, default=600.0)
     ap.add_argument("--turn-timeout", type=float, default=600.0)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU backend threads (default: one per core)")
     ap.add_argument("--max-other-load", type=float, default=0.15, metavar="CORES",
                     help="a repetition during which other processes used more CPU than this "
                          "is run again (up to --retries times); before each one the benchmark "
@@ -444,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             model_file=str(Path(args.model).resolve()) if args.model else "bundled",
             backend=meta["backend"], mode=meta["mode"], tokens=args.tokens, reps=args.reps,
             warmup=args.warmup, engine_shared_with_app=meta["engine_shared_with_app"],
-            torch_threads=torch.get_num_threads(), python=platform.python_version(),
+            torch_threads=_cpu_threads(), python=platform.python_version(),
             max_other_load=args.max_other_load,
             torch=torch.__version__, textual=textual.__version__,
             command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),

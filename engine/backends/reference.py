@@ -97,8 +97,9 @@ def set_cpu_threads(n: int | None) -> int:
     """OpenMP threads for the process's CPU work (the one compute thread's team, so every
     ReferenceBackend shares it); None keeps PyTorch's default (a thread per core). Returns
     the count now in force. Measured on 2 cores with the app running (bench_app, bundled
-    model): 2 threads gave a 2.3 s turn, 1 thread 2.8 s, so the default is all cores; on a
-    machine another process keeps busy fewer can be faster (issue 11: 20.3 vs 13.0 ms/token)."""
+    model, 256 tokens; benchmarks/results/2026-12-03_app_cpu_tiny_threads{1,2}.json): a turn
+    took 2.24 / 2.55 s (new chat / next turn) with 2 threads, 3.25 / 3.70 s with 1, so the
+    default is all cores; on a machine another process keeps busy fewer can be faster."""
     if n is not None:
         cores = os.cpu_count() or 1
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cores:
