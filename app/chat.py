@@ -44,12 +44,16 @@ CHAT_ACTIONS = [
     ("ctrl+r", "regenerate", "Regenerate", "Regenerate the last reply", True),
     ("ctrl+n", "new_chat", "New chat", "Start a new chat", True),
     ("ctrl+o", "past_chats", "Chats", "Open a past chat", True),
-    ("ctrl+b", "copy_code", "Copy code", "Copy the last code block (or click a block)", False),
+    ("f2", "copy_code", "Copy code",
+     "Copy the last code block; again: the one before (or click a block)", True),
     ("ctrl+t", "export", "Export", "Export the chat to a Markdown file", False),
     ("ctrl+g", "toggle_mode", "Graph/eager", "Toggle CUDA-graph / eager decode", True),
     ("ctrl+s", "settings", "Settings", "Sampler, max tokens, system prompt, decode mode", True),
     ("ctrl+l", "open_model", "Model", "Open another model file", False),
 ]
+
+
+COPY_CYCLE_S = 5.0   # a second F2 within this many seconds copies the block before
 
 
 def _title(text: str) -> str:
@@ -97,6 +101,7 @@ class ChatScreen(Screen):
         self.reply: _Streaming | None = None       # the reply streaming now
         self.last_reply: _Streaming | None = None  # the latest one, streaming or not
         self._gen = 0
+        self._copied = (float("-inf"), 0, 0)   # (when, which block, of how many): F2 cycles
 
     # --- layout ------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -369,11 +374,23 @@ class ChatScreen(Screen):
         self.app.push_screen(ChatsScreen(self.app.store.list_chats(), self.chat_id), done)
 
     def action_copy_code(self) -> None:
+        """The last code block; pressed again within COPY_CYCLE_S, the one before it (from
+        the first back to the last), so any block can be copied by key. F2: tmux's and
+        screen's prefixes (ctrl+b, ctrl+a) and the prompt's editing keys stay free."""
         fences = list(self.query(CodeFence))
         if not fences:
             self.notify("There is no code block in this chat", severity="warning")
             return
-        self.app.copy_code(fences[-1].code)
+        now, (last_t, last_i, last_n) = self.clock(), self._copied
+        again = now - last_t < COPY_CYCLE_S and last_n == len(fences)
+        i = (last_i - 1) % len(fences) if again else len(fences) - 1
+        self._copied = (now, i, len(fences))
+        fence = fences[i]
+        for f in fences:
+            f.set_class(f is fence, "-copied")
+        fence.scroll_visible(animate=False)
+        lang = f"{fence.lexer} " if fence.lexer else ""
+        self.app.copy_code(fence.code, f"{lang}block {i + 1} of {len(fences)}")
 
     def action_export(self) -> None:
         if self.chat_id is None:

@@ -257,10 +257,10 @@ class NanoqwenApp(App[None]):
         self.notify(f"Decode mode: {new} (from the next token)", title="Decode mode")
 
     # --- misc actions ------------------------------------------------------------------------
-    def copy_code(self, code: str) -> None:
+    def copy_code(self, code: str, which: str = "a code block") -> None:
         self.copy_to_clipboard(code)
         n = code.count("\n") + (0 if code.endswith("\n") else 1)
-        self.notify(f"Copied a code block ({n} lines) to the clipboard")
+        self.notify(f"Copied {which} ({n} line{'s' if n != 1 else ''}) to the clipboard")
 
     def key_bindings(self) -> list[tuple[str, str]]:
         rows = [("enter", "Send the message"), ("shift+enter, ctrl+j", "New line in the prompt"),

@@ -309,6 +309,7 @@ class CodeFence(OnePassLayout, MarkdownFence):
 
     DEFAULT_CSS = """
     CodeFence { padding: 1 0; }
+    CodeFence.-copied { outline-left: thick $accent; }
     CodeFence > .code-chunk { padding: 0 2; }
     CodeFence:ansi { padding: 1 0; }
     CodeFence:ansi > .code-chunk { padding: 0 0; }

@@ -667,8 +667,17 @@ async def test_copy_code_by_key_and_click_and_export(dirs, tiny_model_path):
         fences = list(app.chat.query(CodeFence))
         assert [f.code for f in fences] == ["def add(a, b):\n    return a + b",
                                             "assert add(2, 3) == 5"]
-        await pilot.press("ctrl+b")   # the last code block
+        await pilot.press("f2")       # the last code block ...
+        assert app.clipboard == "assert add(2, 3) == 5" and fences[1].has_class("-copied")
+        assert any("Copied python block 2 of 2 (1 line)" in n for n in notes(app))
+        await pilot.press("f2")       # ... again: the one before, then round to the last
+        assert app.clipboard == "def add(a, b):\n    return a + b"
+        assert fences[0].has_class("-copied") and not fences[1].has_class("-copied")
+        await pilot.press("f2")
         assert app.clipboard == "assert add(2, 3) == 5"
+        app.chat._copied = (float("-inf"), 0, 2)   # as if F2 came long after the last one
+        await pilot.press("f2")
+        assert app.clipboard == "assert add(2, 3) == 5"   # the last again, not the one before
         await pilot.click(fences[0])
         assert app.clipboard == "def add(a, b):\n    return a + b"
         assert any("Copied a code block (2 lines)" in n for n in notes(app))
