@@ -44,6 +44,8 @@ _NUMBER_FIELDS = [
 class SettingsScreen(ModalScreen[Settings | None]):
     """Edit the settings; Save validates every field and marks the bad ones in place."""
 
+    AUTO_FOCUS = "#greedy"   # the first field (the form's scroll container would take it)
+
     CSS_PATH = "settings.tcss"
     BINDINGS = [
         Binding("escape", "cancel", "Cancel"),

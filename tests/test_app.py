@@ -280,6 +280,8 @@ async def test_settings_offer_only_the_backends_decode_modes_and_keep_the_saved_
         await loaded(app, pilot)
         assert app.engine.info.modes == ("eager",)
         await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert app.focused is app.screen.query_one("#greedy")    # its first field
         select = app.screen.query_one("#decode_mode")
         assert [o[1] for o in select._options] == ["eager"] and select.value == "eager"
         await pilot.press("ctrl+s")
