@@ -125,11 +125,12 @@ class SettingsScreen(ModalScreen[Settings | None]):
                 f"[b]{len(e.errors)} setting(s) need fixing[/]: " + "; ".join(e.errors.values()))
             self.notify(str(e), title="Invalid settings", severity="error")
             return
-        # sampling as the model's defaults do: the sampler follows the model (the next one too)
-        new.model_sampler = (self.model_sampler is not None and new.same_sampler(
-            new.with_model_sampler(self.model_sampler))) or (
-            self.model_sampler is None and self.settings.model_sampler
-            and new.same_sampler(self.settings))
+        # sampling as the model's defaults do: the sampler follows the model (the next one
+        # too); with no model loaded, it follows as before unless the values changed
+        if self.model_sampler is not None:
+            new.model_sampler = new.same_sampler(new.with_model_sampler(self.model_sampler))
+        else:
+            new.model_sampler = self.settings.model_sampler and new.same_sampler(self.settings)
         self.dismiss(new)
 
     def action_model_defaults(self) -> None:

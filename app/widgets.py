@@ -438,8 +438,8 @@ class PacedMarkdownStream(MarkdownStream):
     `cpu_share` set, no more often than keeps the UI thread's CPU time under that share.
 
     Every append costs the UI thread a screen update whatever the amount of new text
-    (measured on this 2-core CPU: two layout frames of 5-8 ms each, the second the anchored
-    list's scroll, plus the parse and mount, 13-20 ms of UI-thread CPU per append), and
+    (measured on this 2-core CPU before OnePassLayout: two layout frames of 5-8 ms each, one
+    since, plus the parse and mount, 13-20 ms of UI-thread CPU per append), and
     with the engine on the CPU the UI's time is the engine's (CPU_ENGINE_UI_SHARE). So the
     stream measures the UI thread's CPU time (time.thread_time: the stream runs on the
     event loop, in the UI thread) from one append to the next, everything the UI did in
@@ -456,7 +456,7 @@ class PacedMarkdownStream(MarkdownStream):
         self.cpu_share = cpu_share
         self.interval = PAINT_INTERVAL     # the wait before the next append
         self._next = 0.0
-        self._cpu = self._wall = None      # the UI thread's CPU time, wall time at the last append
+        self._cpu: float | None = None     # the UI thread's CPU time at the last append
         self._inflight: asyncio.Future | None = None
 
     def _pace(self) -> None:
@@ -464,7 +464,7 @@ class PacedMarkdownStream(MarkdownStream):
         if self.cpu_share and self._cpu is not None:
             cost = cpu - self._cpu            # UI-thread CPU since the last append began
             self.interval = min(max(cost / self.cpu_share, PAINT_INTERVAL), PAINT_INTERVAL_MAX)
-        self._cpu, self._wall = cpu, now
+        self._cpu = cpu
         self._next = now + self.interval
 
     async def _run(self) -> None:

@@ -190,8 +190,7 @@ class EngineService:
         reply reserve). The message can be sent when n <= room."""
         from .session import reply_reserve
 
-        msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
-        n = len(self.tokenizer.encode_chat(msgs + [{"role": "user", "content": user_text}]))
+        n = self.count_tokens([{"role": "user", "content": user_text}], system_prompt)
         return n, self.backend.max_context - reply_reserve(max_new_tokens)
 
     def cancel(self) -> None:
