@@ -311,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU threads of the reference backend (default: the saved setting, "
                          "else one per core)")
     args = ap.parse_args(argv)
+    cores = os.cpu_count() or 1
+    if args.threads is not None and not 1 <= args.threads <= cores:
+        ap.error(f"--threads {args.threads}: give a whole number from 1 to {cores} "
+                 "(this machine's CPUs)")
     NanoqwenApp(model=args.model, backend=args.backend, mode=args.mode,
                 threads=args.threads).run()
     return 0

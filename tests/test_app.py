@@ -803,6 +803,13 @@ async def test_engine_error_is_reported_kept_with_the_reply_and_the_app_stays_us
         assert widget.source
 
 
+def test_a_bad_thread_count_is_refused_before_the_app_starts():
+    out = subprocess.run([sys.executable, "-m", "nanoqwen.app.main", "--threads", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--threads 0: give a whole number from 1 to" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_console_script_help():
     out = subprocess.run([sys.executable, "-m", "nanoqwen.app.main", "--help"],
                          capture_output=True, text=True, timeout=60)
