@@ -1,0 +1,61 @@
+"""benchmarks/bench_app.py with a timeline of each app turn's first text: ms after Enter at
+which the reply starts (_start_reply), the generation thread runs (worker), the widgets are
+mounted, the first text is posted by the service, handled by the chat screen, and the first
+append is called and done. Wraps the app's methods from outside; nothing here is the product.
+usage: python benchmarks/lab/app_timeline.py [bench_app arguments]
+"""
+import sys
+import time
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+import bench_app
+from nanoqwen.app import chat as chat_mod
+from nanoqwen.app.widgets import AssistantMessage
+from nanoqwen.engine import service
+T = {}
+def mark(k):
+    T.setdefault(k, time.perf_counter())
+o_send = chat_mod.ChatScreen.send
+async def send(self, text):
+    T.clear(); mark("enter")
+    return await o_send(self, text)
+chat_mod.ChatScreen.send = send
+o_start = chat_mod.ChatScreen._start_reply
+async def _start_reply(self, *a, **k):
+    mark("start_reply")
+    r = await o_start(self, *a, **k)
+    mark("mounted")
+    return r
+chat_mod.ChatScreen._start_reply = _start_reply
+o_batched = service.EngineService._batched
+def _batched(self, events, *a, **k):
+    mark("worker")
+    for ev in o_batched(self, events, *a, **k):
+        if isinstance(ev, service.Batch) and ev.text: mark("posted")
+        yield ev
+service.EngineService._batched = _batched
+o_ore = chat_mod.ChatScreen.on_reply_event
+async def ore(self, m):
+    if isinstance(m.event, service.Batch) and m.event.text: mark("handled")
+    return await o_ore(self, m)
+chat_mod.ChatScreen.on_reply_event = ore
+o_app = AssistantMessage.append
+def append(self, md):
+    mark("append_called")
+    aw = o_app(self, md)
+    async def w():
+        await aw; mark("append_done")
+    from textual.await_complete import AwaitComplete
+    return AwaitComplete(w())
+AssistantMessage.append = append
+rows = []
+o_turn = bench_app.app_turn
+async def app_turn(*a, **k):
+    r = await o_turn(*a, **k)
+    e = T["enter"]
+    row = {k: round((v - e) * 1e3, 1) for k, v in sorted(T.items(), key=lambda x: x[1])}
+    row["engine_ttft"] = r.get("engine_ttft_ms"); rows.append(row)
+    print("  timeline", row, flush=True)
+    return r
+bench_app.app_turn = app_turn
+rc = bench_app.main(sys.argv[1:])
+sys.exit(rc)
