@@ -3,7 +3,10 @@
 A reply's life: `send` stores the user message, asks the engine service for the reply
 (`submit`, in the UI thread: it only builds the iterator, so an Esc that comes before the
 thread starts is not lost) and iterates it in a thread of its own, started at once; then it
-stores an empty assistant row and mounts the widgets while the engine prefills. The service sends at most one event per ~40 ms window (text + the engine's
+stores an empty assistant row and mounts the widgets while the engine prefills, with an empty
+paragraph for the first text to fill (AssistantMessage.open_block); the screen makes no frame
+until that text is in (at most FIRST_FRAME_HOLD), so the new messages and the start of the
+reply appear together. The service sends at most one event per ~40 ms window (text + the engine's
 timings); the worker forwards each with `post_message`; `on_reply_event` writes the text to
 the store *before* handing it to the Markdown stream, so whatever is on screen is already on
 disk, and then tells the perf panel when that text reached the screen. Esc cancels through
@@ -15,6 +18,7 @@ the user scrolls up, and follows again once they scroll back down.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
@@ -54,6 +58,44 @@ CHAT_ACTIONS = [
 
 
 COPY_CYCLE_S = 5.0   # a second F2 within this many seconds copies the block before
+
+# From Enter until the reply's first text is in its widget, or this many seconds, the screen
+# makes no frame (_FrameHold): the new messages and the first text then go out in one frame.
+# Without it, the frame of the new messages was made while the engine prefilled, so the
+# first text waited for it, then for the next frame slot (Textual makes at most one frame
+# per 1/60 s): ~20 ms of the app's Enter -> text on the H200's host, against a 6.5 ms TTFT.
+# The user's message can show this much later than without the hold; 50 ms is three frames,
+# below what a person notices as a delay, and a slow prefill (a long chat on the CPU) shows
+# the message at the deadline and the reply when it comes.
+FIRST_FRAME_HOLD = 0.05
+
+
+class _FrameHold:
+    """No frames (App.batch_update) until `stream`'s first text is in its widget, or until
+    FIRST_FRAME_HOLD has passed, or `release()`, whichever is first. The deadline is an app
+    timer: the hold ends whatever happens to the reply or the screen."""
+
+    def __init__(self, app, stream) -> None:
+        self._app = app
+        self._batch = app.batch_update()
+        self._batch.__enter__()
+        self._held = True
+        self._timer = app.set_timer(FIRST_FRAME_HOLD, self.release, name="first-frame-hold")
+        self._task = asyncio.ensure_future(self._until_text(stream))
+
+    async def _until_text(self, stream) -> None:
+        await stream.first_append.wait()
+        self.release()
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._timer.stop()
+            self._task.cancel()
+            self._batch.__exit__(None, None, None)
+            # the screen's idle check skipped its frame while held; nothing else may come
+            # to run it again before the next append (what App.delay_update's end does)
+            self._app.screen.check_idle()
 
 
 def _title(text: str) -> str:
@@ -261,11 +303,13 @@ class ChatScreen(Screen):
         widget.set_finish(None, streaming=True)
         # an engine on the CPU needs the cores the UI paints with (CPU_ENGINE_UI_SHARE)
         share = CPU_ENGINE_UI_SHARE if app.engine.info.device == "cpu" else None
-        self.reply = self.last_reply = _Streaming(self._gen, msg_id, widget,
-                                                  AssistantMessage.get_stream(widget, share))
+        stream = AssistantMessage.get_stream(widget, share)
+        self.reply = self.last_reply = _Streaming(self._gen, msg_id, widget, stream)
+        _FrameHold(app, stream)   # one frame for the new messages and the first text
         self.perf.start_reply(t0)
         box = self.query_one("#messages", VerticalScroll)
         await box.mount_all([user, widget] if user is not None else [widget])
+        await widget.open_block()
         box.scroll_end(animate=False)   # a new turn follows the stream again
 
     def _generate(self, gen_id: int, events: Iterator[ServiceEvent]) -> None:

@@ -29,6 +29,7 @@ from bisect import bisect_right
 from pygments.lexer import RegexLexer
 from pygments.lexers import get_lexer_by_name
 from pygments.util import ClassNotFound
+from markdown_it.token import Token
 from textual import events
 from textual.content import Content, Span
 from textual.containers import VerticalScroll
@@ -458,6 +459,7 @@ class PacedMarkdownStream(MarkdownStream):
         self._next = 0.0
         self._cpu: float | None = None     # the UI thread's CPU time at the last append
         self._inflight: asyncio.Future | None = None
+        self.first_append = asyncio.Event()   # set once the first text is in the widget
 
     def _pace(self) -> None:
         now, cpu = time.monotonic(), time.thread_time()
@@ -479,6 +481,7 @@ class PacedMarkdownStream(MarkdownStream):
                 self._pace()
                 self._inflight = asyncio.ensure_future(self.markdown_widget.append(new_markdown))
                 await asyncio.shield(self._inflight)
+                self.first_append.set()
         except asyncio.CancelledError:
             pass
         if self._inflight is not None:
@@ -487,6 +490,7 @@ class PacedMarkdownStream(MarkdownStream):
         self._pending.clear()
         if new_markdown:
             await self.markdown_widget.append(new_markdown)
+        self.first_append.set()   # or there was none: nobody waits for it any more
 
 
 def _one_pass(block: type) -> type:
@@ -506,6 +510,17 @@ class AssistantMessage(OnePassLayout, Markdown):
         self.msg_id = msg_id
         self.border_title = "Assistant"
         self.set_finish(finish, error=error)
+
+    async def open_block(self) -> None:
+        """Mount an empty paragraph to stream into, once the reply is mounted: the first
+        append then sets that block's content (Markdown.append updates the last block in
+        place when the new text starts with one of its kind) instead of mounting a block,
+        so the first text after the engine's first token skips a mount and its layout
+        (measured 4-11 ms on the H200's host). Its mount happens while the engine prefills.
+        A reply that starts with some other block replaces it, as before."""
+        if not self.query(MarkdownBlock):
+            await self.mount(self.BLOCKS["paragraph_open"](
+                self, Token("paragraph_open", "p", 1, map=[0, 1])))
 
     @classmethod
     def get_stream(cls, markdown: Markdown,

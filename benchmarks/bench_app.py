@@ -7,7 +7,9 @@ One process, the same model and the same turns, side by side:
   * the app: `NanoqwenApp` headless under `App.run_test`, real settings and chat store in a temp
     dir (XDG_CONFIG_HOME / XDG_DATA_HOME), the message typed into the prompt and Enter sent as a
     key event through the driver, as a terminal would; "on screen" is the wall clock at which
-    the reply's Markdown widget finished taking each piece of text (its `append` completed).
+    the first screen update (frame) was made after the reply's Markdown widget finished taking
+    each piece of text (its `append` completed): headless, the frame is made and dropped, so
+    only a terminal's own write of it is left out.
 
 Cases, per repetition (a warm-up repetition is run and left out of the medians):
   new_chat   a new chat, cold cache (the backend's cache emptied first), first user message
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import datetime as _dt
 import json
 import os
@@ -148,15 +151,20 @@ def app_engine_loaded(app) -> bool:
 
 # --- on-screen timing: when the reply widget has taken each piece of text ------------------------
 class ScreenClock:
-    """Wraps AssistantMessage.append (what the Markdown stream calls) to record, on each
-    widget, (time the append completed, length of the widget's source then). On the widget,
-    not in a dict by id(): a new reply can reuse a freed widget's id."""
+    """When text reached the screen. Wraps AssistantMessage.append (what the Markdown stream
+    calls) to record, on each widget, (time the append completed, length of the widget's
+    source then), on the widget, not in a dict by id() (a new reply can reuse a freed
+    widget's id); and the app's `_display` (called with each screen update the compositor
+    made: in a terminal the frame written out, headless the same frame, made and dropped) to
+    record when frames were made. Text is on screen with the first frame made after its
+    append completed: an append changes the widgets, the next frame shows them."""
 
     def __init__(self) -> None:
         from textual.await_complete import AwaitComplete
         from nanoqwen.app.widgets import AssistantMessage
 
         orig = AssistantMessage.append
+        self.frames: list[float] = []
 
         def append(widget, markdown: str):
             aw = orig(widget, markdown)
@@ -169,11 +177,31 @@ class ScreenClock:
 
         AssistantMessage.append = append
 
+    def watch(self, app) -> None:
+        """Record the frames `app` makes (its _display, called once per screen update)."""
+        orig = app._display
+        frames = self.frames
+
+        def display(screen, renderable) -> None:
+            orig(screen, renderable)
+            if renderable is not None and not app._batch_count:
+                frames.append(time.perf_counter())
+        app._display = display
+
+    def _frame_after(self, t: float | None) -> float | None:
+        if t is None:
+            return None
+        i = bisect.bisect_right(self.frames, t)
+        return self.frames[i] if i < len(self.frames) else None
+
     def first_last(self, widget, final_len: int):
+        """(first text on screen, whole text on screen, appends): the first frames made
+        after the append that brought the first text and after the one that completed it;
+        None while such a frame has not been made yet."""
         m = widget.__dict__.get("_bench_marks", [])
         first = next((t for t, n in m if n > 0), None)
         last = next((t for t, n in m if n >= final_len), None)
-        return first, last, len(m)
+        return self._frame_after(first), self._frame_after(last), len(m)
 
 
 # --- the engine alone ------------------------------------------------------------------------
@@ -278,6 +306,7 @@ async def run(args) -> dict:
                            decode_mode=args.mode or "graph"))
     clock = ScreenClock()
     app = NanoqwenApp(model=model, backend=args.backend, mode=args.mode, threads=args.threads)
+    clock.watch(app)
     turns: list[dict] = []
     meta: dict = {}
     async with app.run_test(size=(args.width, args.height)):

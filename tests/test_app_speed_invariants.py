@@ -242,6 +242,106 @@ def test_a_streamed_append_reflows_the_screen_once_and_the_list_follows_it(monke
     assert asyncio.run(stream_it()) == asyncio.run(fresh())
 
 
+@pytest.mark.parametrize("start", ["paragraph", "fence", "heading"])
+def test_a_reply_streams_into_its_open_block_and_ends_as_a_fresh_render(monkeypatch, start):
+    """open_block() mounts an empty paragraph before the first text: a reply that starts with
+    a paragraph fills that very block (its first append mounts nothing), one that starts
+    with another block replaces it, and either way the final screen is a fresh render's."""
+    monkeypatch.setattr(widgets, "PAINT_INTERVAL", 0.0)
+    head = {"paragraph": "Some words first, long enough to wrap: " * 4 + "\n\n",
+            "fence": "", "heading": "## A heading\n\n"}[start]
+    text = head + "```python\n" + PY_BODY + "```\n\nA closing paragraph.\n"
+
+    async def stream_it():
+        app = ListHarness()
+        async with app.run_test(size=(90, 40)) as pilot:
+            box = app.query_one("#messages")
+            reply = AssistantMessage("", 1)
+            await box.mount(reply)
+            await reply.open_block()
+            [opened] = reply.children
+            stream = AssistantMessage.get_stream(reply)
+            first = text[:12]
+            await stream.write(first)
+            await stream.first_append.wait()
+            assert reply.source == first
+            if start == "paragraph":
+                assert list(reply.children) == [opened]     # filled in place, nothing mounted
+            else:
+                assert opened not in reply.children         # replaced by the reply's block
+            rnd = random.Random(2)
+            i = len(first)
+            while i < len(text):
+                j = min(len(text), i + rnd.randint(5, 60))
+                await stream.write(text[i:j])
+                i = j
+                await pilot.pause()
+            await stream.stop()
+            reply.set_finish("stop")
+            await _settled(app, pilot)
+            assert reply.source == text
+            return _screen_text(app)
+
+    async def fresh():
+        app = ListHarness()
+        async with app.run_test(size=(90, 40)) as pilot:
+            await app.query_one("#messages").mount(AssistantMessage(text, 1))
+            await _settled(app, pilot)
+            return _screen_text(app)
+
+    assert asyncio.run(stream_it()) == asyncio.run(fresh())
+
+
+@pytest.mark.parametrize("text_comes", [True, False])
+def test_no_frame_is_made_between_enter_and_the_first_text_or_the_deadline(monkeypatch,
+                                                                         text_comes):
+    """_FrameHold: while held the screen makes no frame (the new messages wait for the first
+    text); it ends when the first text is in the widget, or at FIRST_FRAME_HOLD when no text
+    comes, and then a frame with everything is made."""
+    from nanoqwen.app import chat
+
+    hold_s = 3600.0 if text_comes else 0.05   # text_comes: the deadline must not be what ends it
+    monkeypatch.setattr(chat, "FIRST_FRAME_HOLD", hold_s)
+
+    async def run():
+        app = ListHarness()
+        frames = []
+        async with app.run_test(size=(80, 24)) as pilot:
+            orig = app._display
+
+            def display(screen, renderable):
+                orig(screen, renderable)
+                if renderable is not None and not app._batch_count:
+                    frames.append(_screen_text(app))
+            app._display = display
+            await _settled(app, pilot)
+            box = app.query_one("#messages")
+            reply = AssistantMessage("", 1)
+            stream = AssistantMessage.get_stream(reply)
+            chat._FrameHold(app, stream)
+            frames.clear()
+            await box.mount(widgets.UserMessage("the question"), reply)
+            await reply.open_block()
+            if text_comes:   # (the deadline case can pass it in any pause: no check of time)
+                for _ in range(5):
+                    await pilot.pause()
+                assert app._batch_count == 1 and frames == []  # held: nothing shown yet
+                await stream.write("First words")
+                await stream.first_append.wait()
+                assert app._batch_count == 0                  # released by the text
+            for _ in range(200):                              # a condition, with a bound
+                if frames and app._batch_count == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert app._batch_count == 0
+            shown = "\n".join(frames[0])
+            assert "the question" in shown
+            assert ("First words" in shown) == text_comes
+            await stream.stop()
+
+    asyncio.run(run())
+
+
 class CountingMessage(AssistantMessage):
     """The real widget, counting the appends its stream makes."""
 

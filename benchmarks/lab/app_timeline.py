@@ -1,7 +1,7 @@
 """benchmarks/bench_app.py with a timeline of each app turn's first text: ms after Enter at
 which the reply starts (_start_reply), the generation thread runs (worker), the widgets are
 mounted, the first text is posted by the service, handled by the chat screen, and the first
-append is called and done. Wraps the app's methods from outside; nothing here is the product.
+append is called and done, and the first frame made after it (bench_app's "on screen"). Wraps the app's methods from outside; nothing here is the product.
 usage: python benchmarks/lab/app_timeline.py [bench_app arguments]
 """
 import sys
@@ -53,6 +53,7 @@ async def app_turn(*a, **k):
     r = await o_turn(*a, **k)
     e = T["enter"]
     row = {k: round((v - e) * 1e3, 1) for k, v in sorted(T.items(), key=lambda x: x[1])}
+    row["frame"] = round(r["screen_ttft_ms"], 1) if r.get("screen_ttft_ms") else None
     row["engine_ttft"] = r.get("engine_ttft_ms"); rows.append(row)
     print("  timeline", row, flush=True)
     return r
