@@ -37,6 +37,7 @@ from textual.widgets import Footer, Header, Label, ProgressBar
 from nanoqwen.engine.service import Batch, Failed, Finished, Note, ServiceEvent
 
 from .perf import ModelInfo, PerfPanel
+from .settings import PERF_PANEL
 from .screens import ChatsScreen, ExportScreen
 from .widgets import (CPU_ENGINE_UI_SHARE, ENTER_HINT, AssistantMessage, CodeFence,
                       MessageList, PromptInput, UserMessage)
@@ -52,10 +53,17 @@ CHAT_ACTIONS = [
      "Copy the last code block; again: the one before (or click a block)", True),
     ("ctrl+t", "export", "Export", "Export the chat to a Markdown file", False),
     ("ctrl+g", "toggle_mode", "Graph/eager", "Toggle CUDA-graph / eager decode", True),
+    ("f3", "perf_panel", "Perf panel",
+     "Perf panel: beside the chat, one line under it, or hidden", True),
     ("ctrl+s", "settings", "Settings", "Sampler, max tokens, system prompt, decode mode", True),
     ("ctrl+l", "open_model", "Model", "Open another model file", False),
 ]
 
+
+# The perf panel's width beside the chat (chat.tcss) and the columns the conversation keeps:
+# a terminal narrower than both folds the panel to its one line (fit_panel).
+PANEL_WIDTH = 36
+CHAT_MIN_COLUMNS = 40
 
 COPY_CYCLE_S = 5.0   # a second F2 within this many seconds copies the block before
 
@@ -163,6 +171,7 @@ class ChatScreen(Screen):
         self.app.chat = self
         self.query_one("#messages").anchor()
         self.query_one("#prompt").focus()
+        self.fit_panel()
         latest = self.app.store.latest_chat()
         if latest is not None:
             self.open_chat(latest)
@@ -455,6 +464,36 @@ class ChatScreen(Screen):
                 return
             self.notify(f"Exported to {target}")
         self.app.push_screen(ExportScreen(str(default)), done)
+
+    def fit_panel(self) -> None:
+        """Show the perf panel as the settings say (perf_panel), folded to its one line
+        when beside the chat it would leave the conversation fewer than CHAT_MIN_COLUMNS."""
+        want = self.app.settings.perf_panel
+        width = self.size.width or self.app.size.width
+        if want == "full" and width - PANEL_WIDTH < CHAT_MIN_COLUMNS:
+            want = "line"
+        panel = self.perf
+        panel.display = want != "hidden"
+        panel.fold(want == "line")
+
+    def on_resize(self) -> None:
+        self.fit_panel()
+
+    def action_perf_panel(self) -> None:
+        """F3: full -> line -> hidden -> full (saved). Where "full" does not fit, it shows
+        as the line, so the key is then line -> hidden -> line."""
+        app = self.app
+        order = PERF_PANEL
+        now = app.settings.perf_panel
+        narrow = (self.size.width or app.size.width) - PANEL_WIDTH < CHAT_MIN_COLUMNS
+        nxt = order[(order.index(now) + 1) % len(order)]
+        if narrow and now == "hidden":
+            nxt = "full"           # shows as the line here; beside the chat where it fits
+        elif narrow and now == "full":
+            nxt = "hidden"         # "full" already showed as the line
+        app.settings.perf_panel = nxt
+        app._save_settings()
+        self.fit_panel()
 
     def action_toggle_mode(self) -> None:
         self.app.toggle_mode()

@@ -60,6 +60,7 @@ class PerfPanel(Vertical):
     """Right-hand panel. Call `set_model`, `start_reply`, `record` and `set_mode`."""
 
     # A long fallback reason in a short terminal scrolls the panel rather than hiding rows.
+    # Folded (`fold`, class -line; its style is in chat.tcss) it is one line: the summary.
     DEFAULT_CSS = """
     PerfPanel { overflow-y: auto; }
     """
@@ -78,6 +79,7 @@ class PerfPanel(Vertical):
         self._redraw_timer = None           # a pending throttled redraw
 
     def compose(self) -> ComposeResult:
+        yield Static("", id="perf-line")
         yield Label("Performance", classes="perf-title")
         yield Static("", id="perf-backend")
         yield Static("", id="perf-model")
@@ -103,6 +105,12 @@ class PerfPanel(Vertical):
         if self.info is not None:
             self.info.mode = mode
         self._refresh()
+
+    def fold(self, line: bool) -> None:
+        """One line (the summary) or the whole panel."""
+        if line != self.has_class("-line"):
+            self.set_class(line, "-line")
+            self._refresh()
 
     def set_context(self, kv_len: int) -> None:
         self.kv_len = kv_len
@@ -241,6 +249,8 @@ class PerfPanel(Vertical):
             f"TTFT      {fmt(self.ttft_ms, 'ms')} [dim]engine[/]\n"
             f"{_INDENT}{fmt(self.seen_ttft_ms, 'ms')} [dim]seen[/]")
         put("perf-prompt", f"prompt    {fmt(self.prompt_tokens_per_s, 'tok/s')}")
+        if self.has_class("-line"):
+            self._summary()
         spark = q("#perf-spark", Sparkline)
         data = [] if self.freeze_timing else self._rates
         if spark.data != data:
@@ -254,3 +264,17 @@ class PerfPanel(Vertical):
         else:
             pct = f" ({100 * self.kv_len / max_ctx:.0f}%)" if max_ctx else ""
             put("perf-context", f"context   {self.kv_len} / {max_ctx}{pct}")
+
+    def _summary(self) -> None:
+        """The folded panel's one line: engine rate, screen rate, both TTFTs, context, mode."""
+        info, fmt = self.info, self._fmt
+        if info is None:
+            self._set("perf-line", "[dim]no model loaded · F3: perf panel[/]")
+            return
+        max_ctx = info.max_context
+        ctx = f"{min(100.0, 100 * self.kv_len / max_ctx):.0f}%" if max_ctx else "—"
+        self._set("perf-line",
+                  f"[b]{fmt(self.decode_tokens_per_s, 'tok/s')}[/] [dim]engine[/] · "
+                  f"{fmt(self.screen_tokens_per_s, 'tok/s')} [dim]screen[/] · "
+                  f"TTFT {fmt(self.seen_ttft_ms, 'ms')} · ctx {ctx} · {info.mode} "
+                  f"[dim]· F3[/]")

@@ -41,10 +41,38 @@ _NUMBER_FIELDS = [
 ]
 
 
-class SettingsScreen(ModalScreen[Settings | None]):
+class _FitsTerminal:
+    """A dialog that stays usable in a short terminal: when the whole of it does not fit,
+    the screen gets the class -short, with which its .tcss gives the dialog the screen's
+    height and the scrolling part (`FIT`, a selector) the rows the title, buttons and
+    footer leave, so those stay on screen and the rest scrolls. In a tall terminal the
+    dialog keeps its own height. Checked on mount and on every resize."""
+
+    FIT = ""
+
+    def on_mount(self) -> None:
+        self.call_after_refresh(self.fit)
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self.fit)
+
+    def fit(self) -> None:
+        part = self.query_one(self.FIT)
+        dialog = part.parent
+        # what the dialog needs whole: its border and padding, and each part's full height
+        need = dialog.gutter.height
+        for w in dialog.children:
+            if w.display:
+                h = w.virtual_size.height if w is part else w.outer_size.height
+                need += h + w.styles.margin.height
+        self.set_class(need > self.size.height, "-short")
+
+
+class SettingsScreen(_FitsTerminal, ModalScreen[Settings | None]):
     """Edit the settings; Save validates every field and marks the bad ones in place."""
 
     AUTO_FOCUS = "#greedy"   # the first field (the form's scroll container would take it)
+    FIT = "#settings-form"
 
     CSS_PATH = "settings.tcss"
     BINDINGS = [
@@ -123,6 +151,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
                 hint.add_class("error")
             self.query_one("#settings-errors", Static).update(
                 f"[b]{len(e.errors)} setting(s) need fixing[/]: " + "; ".join(e.errors.values()))
+            self.call_after_refresh(self.fit)   # the errors take rows from the form
             self.notify(str(e), title="Invalid settings", severity="error")
             return
         # sampling as the model's defaults do: the sampler follows the model (the next one
@@ -159,10 +188,11 @@ class SettingsScreen(ModalScreen[Settings | None]):
         self.action_cancel()
 
 
-class HelpScreen(ModalScreen[None]):
+class HelpScreen(_FitsTerminal, ModalScreen[None]):
     """The key bindings, from the same list the app binds, so it cannot drift."""
 
     CSS_PATH = "help.tcss"
+    FIT = "#help-keys"
     BINDINGS = [Binding("escape,f1,q", "close", "Close")]
 
     def __init__(self, bindings: list[tuple[str, str]]) -> None:
@@ -172,9 +202,11 @@ class HelpScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="help-dialog"):
             yield Label("Keys", id="help-title")
-            width = max(len(key) for key, _ in self.bindings) + 2
-            rows = "\n".join(f"[b]{key:<{width}}[/]{desc}" for key, desc in self.bindings)
-            yield Static(rows, id="help-keys")
+            with VerticalScroll(id="help-keys"):
+                with Grid(id="help-grid"):
+                    for key, desc in self.bindings:
+                        yield Label(key, classes="help-key", markup=False)
+                        yield Static(desc, classes="help-desc", markup=False)
             yield Static("[dim]Every action is also in the command palette (ctrl+p). "
                          "Click a code block to copy it. esc closes.[/]", id="help-footer")
 
@@ -182,10 +214,11 @@ class HelpScreen(ModalScreen[None]):
         self.dismiss(None)
 
 
-class _PathScreen(ModalScreen[str | None]):
+class _PathScreen(_FitsTerminal, ModalScreen[str | None]):
     """Ask for a file path; shared by the model picker and export."""
 
     CSS_PATH = "path.tcss"
+    FIT = "#path-scroll"
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
     TITLE_TEXT = ""
     OK_LABEL = "OK"
@@ -198,15 +231,16 @@ class _PathScreen(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="path-dialog"):
             yield Label(self.TITLE_TEXT, id="path-title")
-            if self.message:
-                yield Static(self.message, id="path-message", markup=False)
+            with VerticalScroll(id="path-scroll"):   # a long error message scrolls
+                if self.message:
+                    yield Static(self.message, id="path-message", markup=False)
             yield Input(self.initial, placeholder="path to a file", id="path-input")
             with Horizontal(id="path-buttons"):
                 yield Button(self.OK_LABEL, variant="primary", id="ok", compact=True)
                 yield Button("Cancel", id="cancel", compact=True)
 
     def on_mount(self) -> None:
-        self.query_one("#path-input", Input).focus()
+        self.query_one("#path-input", Input).focus()   # (and _FitsTerminal.on_mount: both run)
 
     @on(Input.Submitted)
     @on(Button.Pressed, "#ok")

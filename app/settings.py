@@ -23,6 +23,9 @@ import platformdirs
 from nanoqwen.engine.sampling import SamplerError, SamplerParams, is_int, is_real
 
 DECODE_MODES = ("graph", "eager")
+# the perf panel: beside the chat, a one-line summary under it, or hidden (F3 cycles; a
+# terminal too narrow for "full" shows "line")
+PERF_PANEL = ("full", "line", "hidden")
 SAMPLER_FIELDS = ("greedy", "temperature", "top_k", "top_p", "min_p", "repeat_penalty",
                   "repeat_last_n", "seed")
 MAX_NEW_TOKENS_LIMIT = 32768
@@ -52,6 +55,7 @@ LABELS = {
     "decode_mode": "Decode mode",
     "model_sampler": "Sampler from the model",
     "cpu_threads": "CPU threads",
+    "perf_panel": "Perf panel",
 }
 
 
@@ -70,6 +74,7 @@ class Settings:
     decode_mode: str = "graph"       # wanted mode; a backend without it runs its only mode
     last_model: str | None = None    # the model to open next time
     cpu_threads: int = 0             # the CPU backend's threads; 0: one per core
+    perf_panel: str = "full"         # PERF_PANEL; F3 in the chat cycles it
     # the sampler fields follow the loaded model's generation defaults (with_model_sampler)
     # until the person saves other values
     model_sampler: bool = True
@@ -120,6 +125,7 @@ class Settings:
              f"must be a whole number from 0 (one per core) to {cores} (this machine's CPUs)")
         need(self.decode_mode in DECODE_MODES, "decode_mode",
              f"must be one of {', '.join(DECODE_MODES)}")
+        need(self.perf_panel in PERF_PANEL, "perf_panel", f"must be one of {', '.join(PERF_PANEL)}")
         if not errors:
             try:  # the engine's own rules are the last word (they may be stricter)
                 self.sampler_params()

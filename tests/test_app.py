@@ -196,6 +196,113 @@ async def test_the_chat_screen_is_usable_at_80x24(dirs, tiny_model_path):
             assert geo.region.area > 0 and geo.visible_region == geo.region, sel
 
 
+def on_screen(app, widget) -> bool:
+    """The whole widget is inside what the screen shows (not clipped, not scrolled away)."""
+    try:
+        geo = app.screen.find_widget(widget)
+    except Exception:  # noqa: BLE001 - NoWidget: not on screen at all
+        return False
+    return geo.region.area > 0 and geo.visible_region == geo.region
+
+
+@pytest.mark.parametrize("size", [(80, 24), (60, 20)])
+@aio
+async def test_small_terminals_keep_40_columns_for_the_chat_and_f3_folds_the_panel(
+        dirs, tiny_model_path, size):
+    """At 80x24 the panel fits beside a conversation of >= 40 columns; at 60x20 it folds to
+    its one line by itself. F3 cycles full / line / hidden, the choice is saved and comes
+    back after a restart; the conversation and the prompt stay whole throughout."""
+    from nanoqwen.app.chat import CHAT_MIN_COLUMNS
+
+    use_settings(max_new_tokens=8)
+    narrow = size[0] < 76
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=size) as pilot:
+        await loaded(app, pilot)
+        await send(app, pilot, "hi")
+        await reply_done(app, pilot)
+        chat, panel = app.chat, app.chat.perf
+        col = chat.query_one("#chat-col")
+
+        def state():
+            return "hidden" if not panel.display else ("line" if panel.has_class("-line")
+                                                       else "full")
+        seen = []
+        for _ in range(3):
+            seen.append(state())
+            assert col.size.width >= CHAT_MIN_COLUMNS
+            assert on_screen(app, chat.query_one("#prompt"))
+            if state() == "line":
+                line = chat.query_one("#perf-line")
+                assert on_screen(app, line) and line.size.height == 1
+                assert "engine" in line.render().plain and "ctx" in line.render().plain
+                assert col.size.width == size[0]
+            elif state() == "full":
+                assert on_screen(app, chat.query_one("#perf-context"))
+            await pilot.press("f3")
+            await pilot.pause()
+        assert seen == (["line", "hidden", "line"] if narrow else ["full", "line", "hidden"])
+        saved = load_settings()[0].perf_panel
+    assert saved == ("hidden" if narrow else "full")
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=size) as pilot:
+        await loaded(app, pilot)
+        assert app.chat.perf.display == (saved != "hidden")
+
+
+@aio
+async def test_the_dialogs_stay_usable_at_60x20(dirs, tiny_model_path):
+    """Settings, Help, Chats and the model dialog at 60x20: title and buttons on screen, and
+    what does not fit scrolls (the last field or key can be reached)."""
+    use_settings()
+    seed_chat("add two numbers", CODE_CHAT)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await loaded(app, pilot)
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="Settings")
+        await pilot.pause()
+        s = app.screen
+        assert s.has_class("-short")
+        for sel in ("#settings-title", "#save", "#cancel", "#model-defaults"):
+            assert on_screen(app, s.query_one(sel)), sel
+        prompt = s.query_one("#system_prompt")
+        assert not on_screen(app, prompt)          # below the fold ...
+        prompt.focus()
+        await wait_for(pilot, lambda: on_screen(app, prompt), 10, "the form to scroll")
+        assert on_screen(app, s.query_one("#save"))  # ... scrolled to, the buttons still there
+        await pilot.press("escape")
+        await pilot.pause()
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen), what="Help")
+        await pilot.pause()
+        h = app.screen
+        keys = h.query_one("#help-keys")
+        last = list(h.query(".help-desc"))[-1]
+        assert on_screen(app, h.query_one("#help-title")) and on_screen(app, h.query_one(
+            "#help-footer"))
+        assert not on_screen(app, last)
+        keys.scroll_end(animate=False)
+        await wait_for(pilot, lambda: on_screen(app, last), 10, "help to scroll")
+        await pilot.press("escape")
+        await pilot.pause()
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatsScreen), what="Chats")
+        await pilot.pause()
+        for sel in ("#chats-title", "#chats-list", "#chats-footer"):
+            assert on_screen(app, app.screen.query_one(sel)), sel
+        await pilot.press("escape")
+        await pilot.pause()
+        # the model dialog as the error screen, with a reason longer than the terminal
+        app.push_screen(ModelScreen("x.nanoqwen", "a reason that goes on and on. " * 40))
+        await pilot.pause()
+        await pilot.pause()
+        m = app.screen
+        assert m.has_class("-short")
+        for sel in ("#path-title", "#path-input", "#ok", "#cancel"):
+            assert on_screen(app, m.query_one(sel)), sel
+
+
 @pytest.mark.slow
 @aio
 async def test_esc_stops_keeps_partial_reply_and_keys_work_while_streaming(dirs, tiny_model_path):
@@ -723,10 +830,12 @@ async def test_help_lists_the_key_bindings(dirs, tiny_model_path):
         await loaded(app, pilot)
         await pilot.press("f1")
         assert isinstance(app.screen, HelpScreen)
-        text = str(app.screen.query_one("#help-keys").render())
+        h = app.screen
+        rows = dict(zip([str(w.render()) for w in h.query(".help-key")],
+                        [str(w.render()) for w in h.query(".help-desc")]))
         for key, _, _, desc, _ in CHAT_ACTIONS:
-            assert key in text and desc in text
-        assert "shift+enter, ctrl+j" in text and "ctrl+p" in text
+            assert rows.get(key) == desc, key
+        assert "shift+enter, ctrl+j" in rows and "ctrl+p" in rows
         await pilot.press("escape")
         assert not isinstance(app.screen, HelpScreen)
 

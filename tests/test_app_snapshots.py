@@ -11,6 +11,7 @@ Regenerate with `pytest tests/test_app_snapshots.py --snapshot-update` and revie
 
 from __future__ import annotations
 
+import pytest
 from test_app import (CODE_CHAT, dirs, loaded, reply_done, seed_chat, send,  # noqa: F401
                       use_settings)
 
@@ -64,3 +65,36 @@ def test_help_screen(snap_compare, dirs, tiny_model_path):
         await settle(app, pilot)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+# Small terminals (issue 11): at 80x24 the panel fits beside the chat, at 60x20 it is folded
+# to its one line; the dialogs there scroll between their title and their buttons.
+SMALL = {"80x24": (80, 24), "60x20": (60, 20)}
+
+
+@pytest.mark.parametrize("size", SMALL)
+def test_chat_screen_small(snap_compare, dirs, tiny_model_path, size):
+    use_settings(max_new_tokens=5)
+    seed_chat("add two numbers", CODE_CHAT)
+    app = NanoqwenApp(model=tiny_model_path, freeze_perf=True)
+
+    async def run_before(pilot):
+        await loaded(app, pilot)
+        await send(app, pilot, "sort a list")
+        await reply_done(app, pilot)
+        await settle(app, pilot)
+
+    assert snap_compare(app, terminal_size=SMALL[size], run_before=run_before)
+
+
+@pytest.mark.parametrize("key", ["ctrl+s", "f1"])
+def test_dialogs_at_60x20(snap_compare, dirs, tiny_model_path, key):
+    use_settings()
+    app = NanoqwenApp(model=tiny_model_path, freeze_perf=True)
+
+    async def run_before(pilot):
+        await loaded(app, pilot)
+        await pilot.press(key)
+        await settle(app, pilot)
+
+    assert snap_compare(app, terminal_size=SMALL["60x20"], run_before=run_before)
