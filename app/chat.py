@@ -19,6 +19,7 @@ the user scrolls up, and follows again once they scroll back down.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import threading
 import time
@@ -134,6 +135,7 @@ class _Streaming:
     msg_id: int
     widget: AssistantMessage
     stream: object          # textual MarkdownStream
+    made: dict              # model, backend, device, sampler: stored with the figures
     text: str = ""
     batches: int = 0        # text batches that reached the screen (one per ~40 ms)
 
@@ -148,6 +150,7 @@ class ChatScreen(Screen):
     def __init__(self) -> None:
         super().__init__()
         self.chat_id: int | None = None
+        self.chat_system: str | None = None        # the open chat's own system prompt
         self.reply: _Streaming | None = None       # the reply streaming now
         self.last_reply: _Streaming | None = None  # the latest one, streaming or not
         self._gen = 0
@@ -221,16 +224,37 @@ class ChatScreen(Screen):
         try:
             if history is None:
                 history = self._history()
-            n = engine.count_tokens(history, self.app.settings.system_prompt)
+            n = engine.count_tokens(history, self.system_prompt)
         except Exception:  # noqa: BLE001 - a gauge must never take the screen down
             return
         self.perf.set_context(n)
+
+    @property
+    def system_prompt(self) -> str:
+        """The open chat's system prompt; a chat not started yet (or one from before chats
+        had their own) takes the settings' prompt for new chats."""
+        if self.chat_id is not None and self.chat_system is not None:
+            return self.chat_system
+        return self.app.settings.system_prompt
+
+    def edit_chat(self, chat_id: int, title: str, system_prompt: str) -> None:
+        """Rename a stored chat and set its system prompt (the Chats screen's edit); the
+        open chat's next reply uses the new prompt."""
+        store = self.app.store
+        store.set_title(chat_id, title)
+        store.set_system_prompt(chat_id, system_prompt)
+        if chat_id == self.chat_id:
+            self.chat_system = system_prompt
+            self.app.title = f"nanoqwen-chat — {title}"
+            self._update_context()
 
     def open_chat(self, chat_id: int | None) -> None:
         """Show a stored chat (None: an empty new chat)."""
         box = self.query_one("#messages", VerticalScroll)
         box.remove_children()
         self.chat_id = chat_id
+        about = self.app.store.chat(chat_id) if chat_id is not None else None
+        self.chat_system = about.system_prompt if about else None
         stored = self.app.store.messages(chat_id) if chat_id is not None else []
         if chat_id is not None:
             widgets = []
@@ -277,14 +301,17 @@ class ChatScreen(Screen):
             self.notify("A reply is still streaming: esc stops it", severity="warning")
             return False
         s = app.settings
-        n, room = app.engine.message_room(text, s.system_prompt, s.max_new_tokens)
+        system = self.system_prompt
+        n, room = app.engine.message_room(text, system, s.max_new_tokens)
         if n > room:   # refused before it enters the chat: it stays in the prompt to edit
-            self.notify(too_long(n, room, app.engine.info.max_context, bool(s.system_prompt)),
+            self.notify(too_long(n, room, app.engine.info.max_context, bool(system)),
                         title="Message too long", severity="error", timeout=20)
             return False
         store = app.store
         if self.chat_id is None:
-            self.chat_id = store.new_chat(_title(text), app.engine.info.name)
+            # the chat keeps the system prompt it starts with (the settings' is for new chats)
+            self.chat_id = store.new_chat(_title(text), app.engine.info.name, system)
+            self.chat_system = system
             app.title = f"nanoqwen-chat — {_title(text)}"
         history = self._history()
         msg_id = store.add_message(self.chat_id, "user", text)
@@ -301,8 +328,9 @@ class ChatScreen(Screen):
         s = app.settings
         self._gen += 1
         # the engine first: everything below runs while it prefills
-        self._generate(self._gen, app.engine.submit(history, text, s.sampler_params(),
-                                                    s.max_new_tokens, s.system_prompt))
+        params = s.sampler_params()
+        self._generate(self._gen, app.engine.submit(history, text, params,
+                                                    s.max_new_tokens, self.system_prompt))
         try:
             msg_id = app.store.add_message(self.chat_id, "assistant", "", finish=None)
         except BaseException:
@@ -313,7 +341,10 @@ class ChatScreen(Screen):
         # an engine on the CPU needs the cores the UI paints with (CPU_ENGINE_UI_SHARE)
         share = CPU_ENGINE_UI_SHARE if app.engine.info.device == "cpu" else None
         stream = AssistantMessage.get_stream(widget, share)
-        self.reply = self.last_reply = _Streaming(self._gen, msg_id, widget, stream)
+        info = app.engine.info
+        made = dict(model=info.name, backend=info.backend, device=info.device,
+                    sampler=dataclasses.asdict(params))   # stored with the reply's figures
+        self.reply = self.last_reply = _Streaming(self._gen, msg_id, widget, stream, made)
         _FrameHold(app, stream)   # one frame for the new messages and the first text
         self.perf.start_reply(t0)
         box = self.query_one("#messages", VerticalScroll)
@@ -359,12 +390,12 @@ class ChatScreen(Screen):
             if stats:
                 self.perf.record(ev.stats)
                 stats = {k: v for k, v in stats.items() if k != "step_ms"}
-                stats.update(seen_ttft_ms=self.perf.seen_ttft_ms,
+                stats.update(r.made, seen_ttft_ms=self.perf.seen_ttft_ms,
                              screen_tokens_per_s=self.perf.screen_tokens_per_s)
             finish = ev.reason if isinstance(ev, Finished) else "error"
             error = ev.message if isinstance(ev, Failed) else None
             if error:
-                stats = {"error": error}   # the reason stays with the reply (set_finish)
+                stats = {"error": error, **r.made}   # the reason stays with the reply
             store.update_message(r.msg_id, r.text, finish=finish, stats=stats)
             await r.stream.stop()
             r.widget.set_finish(finish, error=error)
@@ -424,7 +455,9 @@ class ChatScreen(Screen):
         def done(chat_id: int | None) -> None:
             if chat_id is not None:
                 self.open_chat(chat_id)
-        self.app.push_screen(ChatsScreen(self.app.store.list_chats(), self.chat_id), done)
+            elif self.chat_id is not None and self.app.store.chat(self.chat_id) is None:
+                self.open_chat(None)   # the open chat was deleted there: a new one
+        self.app.push_screen(ChatsScreen(self.app.store, self.chat_id, self.edit_chat), done)
 
     def action_copy_code(self) -> None:
         """The last code block; pressed again within COPY_CYCLE_S, the one before it (from

@@ -6,7 +6,9 @@ its own .tcss file next to it:
     ModelScreen      -> str | None         model picker; opened with the reason when a model
                                            cannot be used (the error screen of issue 4)
     ExportScreen     -> str | None         where to write a chat as Markdown
-    ChatsScreen      -> int | None         past chats to reopen
+    ChatsScreen      -> int | None         past chats: search, reopen, delete, rename
+    ConfirmScreen    -> bool               a yes/no question (deleting a chat)
+    ChatEditScreen   -> (str, str) | None  a chat's title and system prompt
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ class SettingsScreen(_FitsTerminal, ModalScreen[Settings | None]):
                                  value=s.decode_mode if s.decode_mode in offered else offered[0],
                                  allow_blank=False, id="decode_mode", compact=True)
                     yield Static(self._mode_hint(), classes="hint", id="decode_mode-error")
-                yield Label(LABELS["system_prompt"] + " [dim](empty: the model's default)[/]")
+                yield Label(LABELS["system_prompt"] + " for new chats [dim](empty: the model's "
+                            "default; a chat's own: ctrl+o, ctrl+e)[/]")
                 yield TextArea(s.system_prompt, id="system_prompt", compact=True)
             yield Static("", id="settings-errors")
             with Horizontal(id="settings-buttons"):
@@ -269,33 +272,195 @@ class ExportScreen(_PathScreen):
 
 
 class ChatsScreen(ModalScreen[int | None]):
-    """Past chats, newest first; Enter reopens one."""
+    """Past chats, newest first: type to search titles and messages, Enter reopens one,
+    ctrl+d deletes it (after a confirmation), ctrl+e renames it and edits its system
+    prompt. Works on the store directly; dismisses with the chat to open (None: none)."""
 
     CSS_PATH = "chats.tcss"
-    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    LIMIT = 200   # chats listed at once; the rest are found by searching
+    BINDINGS = [
+        Binding("escape", "cancel", "Close"),
+        Binding("ctrl+d", "delete", "Delete", priority=True),   # (Input's delete-right)
+        Binding("ctrl+e", "edit", "Rename / system prompt", priority=True),
+        Binding("down", "move(1)", show=False),
+        Binding("up", "move(-1)", show=False),
+    ]
 
-    def __init__(self, chats: list[ChatSummary], current: int | None = None) -> None:
+    def __init__(self, store, current: int | None = None, on_edit=None) -> None:
         super().__init__()
-        self.chats = chats
+        self.store = store
         self.current = current
+        self.on_edit = on_edit   # (chat_id, title, system prompt) -> None: the chat screen's
+        self.chats: list[ChatSummary] = []
 
     def compose(self) -> ComposeResult:
         with Vertical(id="chats-dialog"):
             yield Label("Past chats", id="chats-title")
-            if not self.chats:
-                yield Static("No chats yet.", id="chats-empty")
-            options = []
-            for c in self.chats:
-                when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated))
-                mark = " [b](open)[/]" if c.id == self.current else ""
-                options.append(Option(f"{c.title}{mark}\n[dim]{when} · {c.n_messages} messages"
-                                      f" · {c.model}[/]", id=str(c.id)))
-            yield OptionList(*options, id="chats-list")
-            yield Static("[dim]enter open · esc close[/]", id="chats-footer")
+            yield Input(placeholder="search titles and messages", id="chats-search",
+                        compact=True)
+            yield OptionList(id="chats-list")
+            yield Static("", id="chats-count")
+            yield Static("[dim]enter open · ctrl+d delete · ctrl+e rename / system prompt · "
+                         "esc close[/]", id="chats-footer")
+
+    def on_mount(self) -> None:
+        self.refresh_list()
+        self.query_one("#chats-search", Input).focus()
+
+    def refresh_list(self, keep: int | None = None) -> None:
+        search = self.query_one("#chats-search", Input).value
+        self.chats = self.store.list_chats(self.LIMIT, search)
+        total = self.store.count_chats(search)
+        options = []
+        for c in self.chats:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated))
+            mark = " [b](open)[/]" if c.id == self.current else ""
+            options.append(Option(f"{_escape(c.title)}{mark}\n[dim]{when} · {c.n_messages} "
+                                  f"messages · {_escape(c.model)}[/]", id=str(c.id)))
+        listing = self.query_one("#chats-list", OptionList)
+        listing.clear_options()
+        listing.add_options(options)
+        ids = [c.id for c in self.chats]
+        if ids:
+            listing.highlighted = ids.index(keep) if keep in ids else 0
+        if not total:
+            count = "no chat matches" if search.strip() else "No chats yet."
+        elif total > len(self.chats):
+            count = f"the newest {len(self.chats)} of {total}: search to find the others"
+        else:
+            count = f"{total} chat{'s' if total != 1 else ''}" + (" match" if search.strip()
+                                                                 else "")
+        self.query_one("#chats-count", Static).update(f"[dim]{count}[/]")
+
+    def _highlighted(self) -> ChatSummary | None:
+        i = self.query_one("#chats-list", OptionList).highlighted
+        return self.chats[i] if i is not None and 0 <= i < len(self.chats) else None
+
+    @on(Input.Changed, "#chats-search")
+    def _search(self) -> None:
+        self.refresh_list()
+
+    @on(Input.Submitted, "#chats-search")
+    def _open_highlighted(self) -> None:
+        c = self._highlighted()
+        if c is not None:
+            self.dismiss(c.id)
 
     @on(OptionList.OptionSelected)
     def _selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(int(event.option.id))
 
+    def action_move(self, step: int) -> None:
+        listing = self.query_one("#chats-list", OptionList)
+        if step > 0:
+            listing.action_cursor_down()
+        else:
+            listing.action_cursor_up()
+
+    def action_delete(self) -> None:
+        c = self._highlighted()
+        if c is None:
+            return
+
+        def done(yes: bool | None) -> None:
+            if yes:
+                self.store.delete_chat(c.id)
+                self.notify(f"Deleted “{c.title}”")
+                self.refresh_list()
+        self.app.push_screen(ConfirmScreen(
+            f"Delete “{c.title}” and its {c.n_messages} messages? This cannot be undone.",
+            "Delete"), done)
+
+    def action_edit(self) -> None:
+        c = self._highlighted()
+        if c is None:
+            return
+
+        def done(result: tuple[str, str] | None) -> None:
+            if result is None:
+                return
+            title, system = result
+            if self.on_edit is not None:
+                self.on_edit(c.id, title, system)
+            else:
+                self.store.set_title(c.id, title)
+                self.store.set_system_prompt(c.id, system)
+            self.refresh_list(keep=c.id)
+        system = c.system_prompt if c.system_prompt is not None else ""
+        self.app.push_screen(ChatEditScreen(c.title, system), done)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+def _escape(text: str) -> str:
+    """`text` shown literally in markup (a title can hold [brackets])."""
+    return text.replace("[", "\\[")
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """A yes/no question; the safe answer has the focus (Enter on it does nothing harmful)."""
+
+    CSS_PATH = "path.tcss"
+    BINDINGS = [Binding("escape", "no", "Cancel")]
+    AUTO_FOCUS = "#no"
+
+    def __init__(self, question: str, yes_label: str = "OK") -> None:
+        super().__init__()
+        self.question = question
+        self.yes_label = yes_label
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="path-dialog"):
+            yield Static(self.question, id="confirm-question", markup=False)
+            with Horizontal(id="path-buttons"):
+                yield Button(self.yes_label, variant="error", id="yes", compact=True)
+                yield Button("Cancel", id="no", compact=True)
+
+    @on(Button.Pressed, "#yes")
+    def _yes(self) -> None:
+        self.dismiss(True)
+
+    @on(Button.Pressed, "#no")
+    def action_no(self) -> None:
+        self.dismiss(False)
+
+
+class ChatEditScreen(_FitsTerminal, ModalScreen[tuple[str, str] | None]):
+    """A chat's title and its own system prompt (empty: the model's default)."""
+
+    CSS_PATH = "path.tcss"
+    FIT = "#chat-edit-form"
+    AUTO_FOCUS = "#chat-title"
+    BINDINGS = [Binding("escape", "cancel", "Cancel"),
+                Binding("ctrl+s", "save", "Save", priority=True)]
+
+    def __init__(self, title: str, system_prompt: str) -> None:
+        super().__init__()
+        self.initial = (title, system_prompt)
+
+    def compose(self) -> ComposeResult:
+        title, system = self.initial
+        with Vertical(id="path-dialog"):
+            yield Label("Chat", id="path-title")
+            with VerticalScroll(id="chat-edit-form"):
+                yield Label("Title")
+                yield Input(title, id="chat-title", compact=True)
+                yield Label("System prompt of this chat [dim](empty: the model's default)[/]")
+                yield TextArea(system, id="chat-system", compact=True)
+            with Horizontal(id="path-buttons"):
+                yield Button("Save", variant="primary", id="ok", compact=True)
+                yield Button("Cancel", id="cancel", compact=True)
+
+    @on(Button.Pressed, "#ok")
+    @on(Input.Submitted, "#chat-title")
+    def action_save(self) -> None:
+        title = self.query_one("#chat-title", Input).value.strip()
+        if not title:
+            self.notify("A chat needs a title", severity="warning")
+            return
+        self.dismiss((title, self.query_one("#chat-system", TextArea).text))
+
+    @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:
         self.dismiss(None)

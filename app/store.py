@@ -56,6 +56,11 @@ MIGRATIONS: list[str] = [
     ALTER TABLE messages ADD COLUMN stats TEXT;
     CREATE INDEX chats_by_updated ON chats(updated);
     """,
+    # 2 -> 3: each chat's own system prompt (NULL: a chat from before, which used the
+    # settings' prompt of the day; it keeps following the settings until one is set).
+    """
+    ALTER TABLE chats ADD COLUMN system_prompt TEXT;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -76,6 +81,12 @@ class ChatSummary:
     model: str
     updated: float
     n_messages: int
+    system_prompt: str | None = None
+
+
+def _like(text: str) -> str:
+    """`text` as a LIKE pattern matching it anywhere, its own % _ and \\ taken literally."""
+    return "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
 def default_db_path() -> Path:
@@ -125,15 +136,27 @@ class ChatStore:
         self.db.close()
 
     # --- chats ----------------------------------------------------------------------
-    def new_chat(self, title: str, model: str = "") -> int:
+    def new_chat(self, title: str, model: str = "", system_prompt: str | None = None) -> int:
         now = time.time()
         cur = self.db.execute(
-            "INSERT INTO chats (title, model, created, updated) VALUES (?, ?, ?, ?)",
-            (title, model, now, now))
+            "INSERT INTO chats (title, model, created, updated, system_prompt) "
+            "VALUES (?, ?, ?, ?, ?)", (title, model, now, now, system_prompt))
         return int(cur.lastrowid)
 
     def set_title(self, chat_id: int, title: str) -> None:
         self.db.execute("UPDATE chats SET title = ? WHERE id = ?", (title, chat_id))
+
+    def set_system_prompt(self, chat_id: int, system_prompt: str) -> None:
+        self.db.execute("UPDATE chats SET system_prompt = ? WHERE id = ?",
+                        (system_prompt, chat_id))
+
+    def chat(self, chat_id: int) -> ChatSummary | None:
+        """One chat's summary (None: there is no such chat, e.g. it was deleted)."""
+        row = self.db.execute(
+            """SELECT c.id, c.title, c.model, c.updated,
+                      (SELECT COUNT(*) FROM messages m WHERE m.chat_id = c.id), c.system_prompt
+               FROM chats c WHERE c.id = ?""", (chat_id,)).fetchone()
+        return ChatSummary(*row) if row else None
 
     def chat_title(self, chat_id: int) -> str:
         row = self.db.execute("SELECT title FROM chats WHERE id = ?", (chat_id,)).fetchone()
@@ -141,12 +164,28 @@ class ChatStore:
             raise StoreError(f"no chat with id {chat_id}")
         return row[0]
 
-    def list_chats(self, limit: int = 200) -> list[ChatSummary]:
+    def list_chats(self, limit: int = 200, search: str = "") -> list[ChatSummary]:
+        """Newest first, at most `limit`; with `search`, only the chats whose title or any
+        message contains it (case-insensitive for ASCII, as SQLite's LIKE is)."""
+        where, args = self._search(search)
         rows = self.db.execute(
-            """SELECT c.id, c.title, c.model, c.updated,
-                      (SELECT COUNT(*) FROM messages m WHERE m.chat_id = c.id)
-               FROM chats c ORDER BY c.updated DESC, c.id DESC LIMIT ?""", (limit,))
+            f"""SELECT c.id, c.title, c.model, c.updated,
+                       (SELECT COUNT(*) FROM messages m WHERE m.chat_id = c.id), c.system_prompt
+                FROM chats c {where} ORDER BY c.updated DESC, c.id DESC LIMIT ?""",
+            (*args, limit))
         return [ChatSummary(*r) for r in rows]
+
+    def count_chats(self, search: str = "") -> int:
+        where, args = self._search(search)
+        return self.db.execute(f"SELECT COUNT(*) FROM chats c {where}", args).fetchone()[0]
+
+    @staticmethod
+    def _search(search: str) -> tuple[str, tuple]:
+        if not search.strip():
+            return "", ()
+        pat = _like(search.strip())
+        return ("""WHERE c.title LIKE ? ESCAPE '\\' OR EXISTS (SELECT 1 FROM messages m
+                   WHERE m.chat_id = c.id AND m.content LIKE ? ESCAPE '\\')""", (pat, pat))
 
     def latest_chat(self) -> int | None:
         chats = self.list_chats(limit=1)
@@ -194,11 +233,66 @@ class ChatStore:
 
     # --- export ---------------------------------------------------------------------
     def export_markdown(self, chat_id: int) -> str:
-        """The chat as a Markdown document: a heading per turn, replies verbatim."""
-        out = [f"# {self.chat_title(chat_id)}", ""]
+        """The chat as a Markdown document: its model and system prompt, a heading per
+        turn, replies verbatim, and under each reply how it was made (reply_note)."""
+        chat = self.chat(chat_id)
+        if chat is None:
+            raise StoreError(f"no chat with id {chat_id}")
+        out = [f"# {chat.title}", ""]
+        about = [f"model: {chat.model}" if chat.model else None,
+                 "exported " + time.strftime("%Y-%m-%d %H:%M")]
+        out += ["*" + " · ".join(a for a in about if a) + "*", ""]
+        if chat.system_prompt:
+            out += ["**System prompt:**", "", chat.system_prompt.rstrip(), ""]
         for m in self.messages(chat_id):
             heading = {"user": "You", "assistant": "Assistant", "system": "System"}[m.role]
             out += [f"## {heading}", "", m.content.rstrip(), ""]
-            if m.role == "assistant" and m.finish in (None, "cancelled"):
-                out += ["*(reply interrupted)*" if m.finish is None else "*(stopped)*", ""]
+            if m.role == "assistant":
+                if m.finish in (None, "cancelled"):
+                    out += ["*(reply interrupted)*" if m.finish is None else "*(stopped)*", ""]
+                note = reply_note(m.stats)
+                if note:
+                    out += [f"<sub>{note}</sub>", ""]
         return "\n".join(out)
+
+
+def _num(v, unit: str, digits: int = 1) -> str | None:
+    return f"{v:.{digits}f} {unit}" if isinstance(v, (int, float)) else None
+
+
+def reply_note(stats: dict | None) -> str:
+    """One line on how a reply was made, from its stored figures: the model and backend, the
+    sampler, tokens, the engine's and the screen's rates, both TTFTs ("" if none stored)."""
+    if not stats:
+        return ""
+    s = stats
+    parts = []
+    if s.get("model"):
+        where = s.get("backend") or ""
+        if s.get("device"):
+            where += f" ({s['device']})"
+        parts.append(" · ".join(p for p in (s["model"], where.strip(), s.get("mode")) if p))
+    elif s.get("mode"):
+        parts.append(s["mode"])
+    sp = s.get("sampler")
+    if isinstance(sp, dict):
+        if sp.get("temperature", 1) <= 0:
+            parts.append("greedy")
+        else:
+            parts.append(f"temperature {sp.get('temperature')}, top-k {sp.get('top_k')}, "
+                         f"top-p {sp.get('top_p')}, min-p {sp.get('min_p')}, repetition "
+                         f"penalty {sp.get('repeat_penalty')} (last {sp.get('repeat_last_n')}),"
+                         f" seed {sp.get('seed')}")
+    if isinstance(s.get("n_generated"), int):
+        parts.append(f"{s['n_generated']} tokens")
+    rates = [r for r in (_num(s.get("tokens_per_s"), "tok/s engine"),
+                         _num(s.get("screen_tokens_per_s"), "tok/s on screen")) if r]
+    if rates:
+        parts.append(", ".join(rates))
+    ttft = [t for t in (_num(s.get("ttft_ms"), "ms engine"),
+                        _num(s.get("seen_ttft_ms"), "ms seen")) if t]
+    if ttft:
+        parts.append("TTFT " + ", ".join(ttft))
+    if s.get("error"):
+        parts.append(f"failed: {str(s['error']).splitlines()[0]}")
+    return " · ".join(parts)

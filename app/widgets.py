@@ -308,13 +308,17 @@ class CodeFence(OnePassLayout, MarkdownFence):
     """A highlighted code block, shown in chunks of lines and highlighted incrementally while
     it streams (module doc); a click copies its code to the clipboard."""
 
+    # framed, with the language on the frame and how to copy it under the block
     DEFAULT_CSS = """
-    CodeFence { padding: 1 0; }
-    CodeFence.-copied { outline-left: thick $accent; }
-    CodeFence > .code-chunk { padding: 0 2; }
-    CodeFence:ansi { padding: 1 0; }
+    CodeFence { padding: 0 0; border: round $foreground 25%; border-title-align: left;
+                border-subtitle-align: right; border-title-color: $text-muted;
+                border-subtitle-color: $text-muted; }
+    CodeFence.-copied { border: round $accent; }
+    CodeFence > .code-chunk { padding: 0 1; }
+    CodeFence:ansi { padding: 0 0; }
     CodeFence:ansi > .code-chunk { padding: 0 0; }
     """
+    COPY_HINT = "click or F2: copy"
 
     def __init__(self, markdown: Markdown, token, code: str) -> None:
         # MarkdownFence.__init__ would highlight the whole code here, for every block that
@@ -328,7 +332,13 @@ class CodeFence(OnePassLayout, MarkdownFence):
         self._shown: list[tuple] = []      # per chunk: (text, spans) on screen
         self._sealed = 0                   # chunks that can no longer change ...
         self._sealed_end = 0               # ... and where the first other one starts
+        self._label()
 
+    def _label(self) -> None:
+        """The language on the frame (the fence's info string; "code" without one)."""
+        self.border_title = (self.lexer or "").split()[0] if (self.lexer or "").strip() \
+            else "code"
+        self.border_subtitle = self.COPY_HINT
     # --- highlighting --------------------------------------------------------------------
     def _highlighter(self) -> _StreamHighlighter:
         theme = _theme(self.app.native_ansi_color, self.app.current_theme.dark)
@@ -412,7 +422,9 @@ class CodeFence(OnePassLayout, MarkdownFence):
     def _copy_context(self, block: MarkdownBlock) -> None:
         if isinstance(block, MarkdownFence):
             self.code = block.code
-            self.lexer = block.lexer
+            if block.lexer != self.lexer:
+                self.lexer = block.lexer
+                self._label()
         MarkdownBlock._copy_context(self, block)
 
     async def _update_from_block(self, block: MarkdownBlock) -> None:

@@ -25,7 +25,8 @@ import pytest
 from nanoqwen.app import widgets
 from nanoqwen.app.chat import CHAT_ACTIONS
 from nanoqwen.app.main import NanoqwenApp
-from nanoqwen.app.screens import ChatsScreen, ExportScreen, HelpScreen, ModelScreen, SettingsScreen
+from nanoqwen.app.screens import (ChatEditScreen, ChatsScreen, ConfirmScreen, ExportScreen,
+                                  HelpScreen, ModelScreen, SettingsScreen)
 from nanoqwen.app.settings import Settings, default_settings_path, load_settings, save_settings
 from nanoqwen.app.store import ChatStore
 from nanoqwen.app.widgets import AssistantMessage, CodeFence, PromptInput, UserMessage
@@ -99,10 +100,11 @@ def notes(app) -> list[str]:
     return [n.message for n in app._notifications]
 
 
-def greedy_reply(model_path: Path, history: list[dict], text: str, n: int) -> str:
+def greedy_reply(model_path: Path, history: list[dict], text: str, n: int,
+                 system_prompt: str | None = None) -> str:
     """The same turn straight through the engine, no app in between."""
     eng = loader.load(model_path, backend="reference")
-    s = ChatSession(eng.backend, eng.tokenizer, messages=history)
+    s = ChatSession(eng.backend, eng.tokenizer, system_prompt=system_prompt, messages=history)
     out = "".join(e.text for e in s.generate(text, SamplerParams.greedy_params(), n)
                   if isinstance(e, TextDelta))
     eng.close()
@@ -803,6 +805,107 @@ async def test_copy_code_by_key_and_click_and_export(dirs, tiny_model_path):
 
 
 @aio
+async def test_chats_are_searched_renamed_given_their_own_system_prompt_and_deleted(
+        dirs, tiny_model_path):
+    """The Chats screen: typing filters by title and message text; ctrl+e renames a chat
+    and sets its system prompt, which its next reply uses (the reply equals the engine's
+    own with that prompt) while new chats keep the settings' prompt; ctrl+d asks first, and
+    deleting the open chat leaves a new empty one."""
+    use_settings(max_new_tokens=6, system_prompt="")
+    sort_id = seed_chat("sorting", [("user", "sort a list"), ("assistant", "use sorted()")])
+    seed_chat("dates", [("user", "parse an ISO date"), ("assistant", "fromisoformat")])
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatsScreen), what="Chats")
+        chats = app.screen
+        assert [c.title for c in chats.chats] == ["dates", "sorting"]
+        for ch in "sorted(":                   # in a reply, not in the title
+            await pilot.press(ch)
+        await pilot.pause()
+        assert [c.title for c in chats.chats] == ["sorting"]
+        assert "1 chat match" in str(chats.query_one("#chats-count").render())
+        await pilot.press("ctrl+e")
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatEditScreen), what="the editor")
+        edit = app.screen
+        edit.query_one("#chat-title").value = "Sorting in Python"
+        edit.query_one("#chat-system").text = "You answer in one line."
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is chats, what="back to Chats")
+        stored = app.store.chat(sort_id)
+        assert (stored.title, stored.system_prompt) == ("Sorting in Python",
+                                                        "You answer in one line.")
+        assert [c.title for c in chats.chats] == ["Sorting in Python"]
+        await pilot.press("enter")                  # opens the highlighted chat
+        await wait_for(pilot, lambda: app.chat.chat_id == sort_id, what="the chat to open")
+        assert app.chat.system_prompt == "You answer in one line."
+        widget = await send(app, pilot, "and reversed?")
+        await reply_done(app, pilot)
+        history = [{"role": "user", "content": "sort a list"},
+                   {"role": "assistant", "content": "use sorted()"}]
+        assert widget.source == greedy_reply(tiny_model_path, history, "and reversed?", 6,
+                                             "You answer in one line.")
+        # a new chat starts with the settings' prompt and keeps it
+        await pilot.press("ctrl+n")
+        await send(app, pilot, "hello")
+        await reply_done(app, pilot)
+        new_id = app.chat.chat_id
+        assert app.store.chat(new_id).system_prompt == ""
+        # delete: Cancel keeps it, Delete removes it; the open chat deleted -> a new one
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatsScreen), what="Chats")
+        assert app.screen.chats[0].id == new_id
+        await pilot.press("ctrl+d")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="confirm")
+        assert app.screen.focused.id == "no"
+        await pilot.press("enter")                  # the focused answer: Cancel
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatsScreen), what="Chats")
+        assert app.store.chat(new_id) is not None
+        await pilot.press("ctrl+d")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="confirm")
+        await pilot.click("#yes")
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatsScreen), what="Chats")
+        assert app.store.chat(new_id) is None and app.store.messages(new_id) == []
+        assert new_id not in [c.id for c in app.screen.chats]
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.chat.chat_id is None, what="a new chat")
+        assert not app.chat.query(AssistantMessage)
+
+
+@aio
+async def test_an_export_carries_the_model_the_sampler_and_each_replys_figures(
+        dirs, tiny_model_path):
+    use_settings(max_new_tokens=5, system_prompt="Be brief.")
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        await send(app, pilot, "hi")
+        await reply_done(app, pilot)
+        app.settings.greedy = False
+        app.settings.temperature = 0.7
+        await send(app, pilot, "again")
+        await reply_done(app, pilot)
+        target = dirs / "chat.md"
+        await pilot.press("ctrl+t")
+        app.screen.query_one("#path-input").value = str(target)
+        await pilot.press("enter")
+        await wait_for(pilot, target.exists, 10, "the export")
+        md = target.read_text()
+        name = app.engine.info.name
+        assert f"model: {name}" in md and "**System prompt:**\n\nBe brief." in md
+        notes_ = [line for line in md.splitlines() if line.startswith("<sub>")]
+        assert len(notes_) == 2
+        for note in notes_:
+            assert f"{name} · reference (cpu) · eager" in note
+            assert "5 tokens" in note and "tok/s engine" in note and "TTFT" in note
+        assert "greedy" in notes_[0] and "temperature 0.7, top-k 40" in notes_[1]
+        for m in app.store.messages(app.chat.chat_id):
+            if m.role == "assistant":
+                assert m.stats["sampler"]["temperature"] in (0.0, 0.7)
+
+
+@aio
 async def test_every_action_is_in_the_command_palette(dirs, tiny_model_path):
     use_settings()
     seed_chat("old", [("user", "old question"), ("assistant", "old answer")])
@@ -880,16 +983,17 @@ async def test_a_message_too_long_for_the_context_is_refused_and_stays_to_edit(
 @aio
 async def test_engine_error_is_reported_kept_with_the_reply_and_the_app_stays_usable(
         dirs, tiny_model_path):
-    """A real engine failure: the reply is regenerated after the system prompt grew past the
-    context (the message was checked when it was sent). The reason stays under the reply,
-    also when the chat is reopened."""
+    """A real engine failure: the reply is regenerated after the chat's system prompt grew
+    past the context (the message was checked when it was sent). The reason stays under the
+    reply, also when the chat is reopened."""
     use_settings(max_new_tokens=5)
     app = NanoqwenApp(model=tiny_model_path)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(app, pilot)
         await send(app, pilot, "short")
         await reply_done(app, pilot)
-        app.settings.system_prompt = "word " * (app.engine.info.max_context + 100)
+        chat = app.chat.chat_id
+        app.chat.edit_chat(chat, "short", "word " * (app.engine.info.max_context + 100))
         await app.chat.run_action("regenerate")
         await wait_for(pilot, lambda: not app.chat.generating and app.store.messages(
             app.chat.chat_id)[-1].finish == "error", 30, "the failed regenerate")
@@ -904,8 +1008,7 @@ async def test_engine_error_is_reported_kept_with_the_reply_and_the_app_stays_us
         assert app.chat.query(AssistantMessage).last().border_subtitle == \
             widget.border_subtitle
         app.clear_notifications()
-        app.settings.system_prompt = ""
-        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+n")     # a new chat: the settings' (empty) system prompt
         widget = await send(app, pilot, "short")
         await reply_done(app, pilot)
         assert app.store.messages(app.chat.chat_id)[-1].finish == "length"

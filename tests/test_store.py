@@ -91,6 +91,7 @@ def test_export_markdown(tmp_path):
     s.add_message(chat, "assistant", "partial", finish=None)
     md = s.export_markdown(chat)
     assert md.startswith("# Adding numbers\n")
+    assert "<sub>" not in md        # no figures stored, none shown
     assert "## You\n\nadd two numbers" in md
     assert "```python\ndef add(a, b):\n    return a + b\n```" in md
     assert "partial\n\n*(reply interrupted)*" in md
@@ -99,3 +100,57 @@ def test_export_markdown(tmp_path):
 def test_default_path_follows_xdg_data_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     assert default_db_path() == tmp_path / "data" / "nanoqwen" / "history.sqlite3"
+
+
+def test_v2_database_is_migrated_and_its_chats_follow_the_settings_prompt(tmp_path):
+    path = tmp_path / "v2.sqlite3"
+    db = sqlite3.connect(path)
+    for script in MIGRATIONS[:2]:
+        for stmt in script.split(";"):
+            if stmt.strip():
+                db.execute(stmt)
+    db.execute("INSERT INTO chats (id, title, model, created, updated) VALUES (1, 't', 'm', 1, 1)")
+    db.execute("PRAGMA user_version = 2")
+    db.commit()
+    db.close()
+    s = ChatStore(path)
+    assert s.version == SCHEMA_VERSION
+    assert s.chat(1).system_prompt is None          # NULL: from before per-chat prompts
+    s.set_system_prompt(1, "Be terse.")
+    assert s.chat(1).system_prompt == "Be terse."
+    assert s.chat(2) is None
+
+
+def test_search_matches_titles_and_messages_literally(tmp_path):
+    s = ChatStore(tmp_path / "h.sqlite3")
+    a = s.new_chat("Fix 100% CPU", "m", "sys")
+    s.add_message(a, "user", "my_var is slow")
+    b = s.new_chat("other")
+    s.add_message(b, "assistant", "Use a DICT here")
+    s.new_chat("nothing")
+
+    def ids(q):
+        return [c.id for c in s.list_chats(search=q)]
+    assert ids("100%") == [a] and ids("my_var") == [a]
+    assert ids("my%var") == [] and ids("1_0") == []      # % and _ are not wildcards
+    assert ids("dict") == [b]                            # any message, any case (ASCII)
+    assert ids("  ") == ids("") and len(ids("")) == 3
+    assert s.count_chats("o") == 3 and s.count_chats("slow") == 1
+    assert [c.id for c in s.list_chats(limit=1)] == [s.latest_chat()]
+
+
+def test_reply_note_says_how_a_reply_was_made():
+    from nanoqwen.app.store import reply_note
+
+    stats = {"model": "M", "backend": "cuda", "device": "NVIDIA H200", "mode": "graph",
+             "sampler": {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+                         "repeat_penalty": 1.1, "repeat_last_n": 64, "seed": 7},
+             "n_generated": 12, "tokens_per_s": 512.34, "screen_tokens_per_s": 500.0,
+             "ttft_ms": 8.44, "seen_ttft_ms": 38.6}
+    assert reply_note(stats) == (
+        "M · cuda (NVIDIA H200) · graph · temperature 0.7, top-k 40, top-p 0.95, min-p 0.05, "
+        "repetition penalty 1.1 (last 64), seed 7 · 12 tokens · 512.3 tok/s engine, "
+        "500.0 tok/s on screen · TTFT 8.4 ms engine, 38.6 ms seen")
+    assert reply_note({"sampler": {"temperature": 0.0}, "error": "out of memory\nmore"}) == \
+        "greedy · failed: out of memory"
+    assert reply_note(None) == "" and reply_note({}) == ""
