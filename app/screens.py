@@ -31,7 +31,7 @@ from .store import ChatSummary
 
 # Numeric fields in form order: (field, hint shown beside the input)
 _NUMBER_FIELDS = [
-    ("temperature", "> 0"),
+    ("temperature", "0 = greedy"),
     ("top_k", "0 = off"),
     ("top_p", "1 = off"),
     ("min_p", "0 = off"),

@@ -20,7 +20,7 @@ from typing import Any
 
 import platformdirs
 
-from nanoqwen.engine.sampling import SamplerError, SamplerParams, is_int, is_real
+from nanoqwen.engine.sampling import SamplerParams, is_int, sampler_problems
 
 DECODE_MODES = ("graph", "eager")
 # the perf panel: beside the chat, a one-line summary under it, or hidden (F3 cycles; a
@@ -102,20 +102,9 @@ class Settings:
                 errors[name] = f"{LABELS[name]} {rule} (got {getattr(self, name)!r})"
 
         need(isinstance(self.greedy, bool), "greedy", "must be true or false")
-        need(is_real(self.temperature) and self.temperature > 0, "temperature",
-             "must be a number > 0 (switch on greedy decoding for temperature 0)")
-        need(is_int(self.top_k) and self.top_k >= 0, "top_k",
-             "must be a whole number >= 0 (0 turns top-k off)")
-        need(is_real(self.top_p) and 0 < self.top_p <= 1, "top_p",
-             "must be a number in (0, 1] (1 turns top-p off)")
-        need(is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p",
-             "must be a number in [0, 1] (0 turns min-p off)")
-        need(is_real(self.repeat_penalty) and self.repeat_penalty > 0, "repeat_penalty",
-             "must be a number > 0 (1 turns the penalty off)")
-        need(is_int(self.repeat_last_n) and self.repeat_last_n >= -1, "repeat_last_n",
-             "must be a whole number >= -1 (0: off, -1: whole context)")
-        need(is_int(self.seed) and -1 <= self.seed < 2**63, "seed",
-             "must be a whole number >= 0, or -1 for a fresh random seed each reply")
+        # the sampler's rules are the engine's own, shared with the CLI (SAMPLER_RULES)
+        for name, rule in sampler_problems(self.to_dict()).items():
+            need(False, name, f"must be {rule}")
         need(is_int(self.max_new_tokens) and 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT,
              "max_new_tokens", f"must be a whole number from 1 to {MAX_NEW_TOKENS_LIMIT}")
         need(isinstance(self.system_prompt, str), "system_prompt", "must be text")
@@ -126,11 +115,6 @@ class Settings:
         need(self.decode_mode in DECODE_MODES, "decode_mode",
              f"must be one of {', '.join(DECODE_MODES)}")
         need(self.perf_panel in PERF_PANEL, "perf_panel", f"must be one of {', '.join(PERF_PANEL)}")
-        if not errors:
-            try:  # the engine's own rules are the last word (they may be stricter)
-                self.sampler_params()
-            except SamplerError as e:
-                errors["temperature"] = f"Sampler settings rejected by the engine: {e}"
         if errors:
             raise SettingsError(errors)
         return self

@@ -10,8 +10,9 @@ the last) and the prompt's tokens/s.
 Sampler settings: a flag that is given wins; otherwise the model file's generation config
 (SamplerParams.from_generation_config, which falls back to transformers' defaults for keys
 the file lacks), or llama.cpp's defaults when the file has no generation config at all.
-`-n -1` generates until a stop token or a full context, as in llama.cpp. `--temp` is 0 (greedy)
-or more; a negative temperature is refused, not taken as greedy.
+`-n -1` generates until a stop token or a full context, as in llama.cpp. Every value follows the
+rules the app's settings follow (sampling.SAMPLER_RULES): `--temp` is 0 (greedy) or more, and
+a negative temperature is refused, not taken as greedy.
 Errors go to stderr with exit code 1 (NanoqwenError, handled in cli.main); a reader that closes
 stdout (`| head`) ends the reply quietly with status 141 and a full disk is one error line
 (cli.main's doc says why).
@@ -33,11 +34,6 @@ _FLAGS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "m
 
 def sampler_params(args, generation: dict | None) -> SamplerParams:
     """SamplerParams from the CLI flags over the file's generation defaults (module doc)."""
-    temp = getattr(args, "temp", None)
-    # 0 is greedy (the engine's and the app's convention); below 0 is a mistake, not greedy
-    if temp is not None and not 0 <= temp < float("inf"):
-        raise NanoqwenError(f"--temp {temp:g}: the temperature must be 0 (greedy) or a finite "
-                            "number > 0")
     base = SamplerParams.model_defaults(generation)
     d = base.to_dict()
     for flag, fld in _FLAGS.items():

@@ -46,6 +46,31 @@ def is_real(x: Any) -> bool:
     return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
 
 
+# The rules every sampler value follows, wherever a person gives it (the app's settings form
+# and file, `nanoqwen generate`'s flags, a model file's generation config): field ->
+# (check, what the value must be). SamplerParams.validate applies them; the app's settings
+# name the same rules with their labels (sampler_problems). Temperature 0 is greedy
+# everywhere; a negative one is a mistake, not greedy (llama.cpp takes it as greedy).
+SAMPLER_RULES: dict[str, tuple[Any, str]] = {
+    "temperature": (lambda v: is_real(v) and v >= 0, "a number >= 0 (0: greedy)"),
+    "top_k": (lambda v: is_int(v) and v >= 0, "a whole number >= 0 (0: off)"),
+    "top_p": (lambda v: is_real(v) and 0 <= v <= 1,
+              "a number in [0, 1] (1: off; 0 keeps only the most likely token)"),
+    "min_p": (lambda v: is_real(v) and 0 <= v <= 1, "a number in [0, 1] (0: off)"),
+    "repeat_penalty": (lambda v: is_real(v) and v > 0, "a number > 0 (1: off)"),
+    "repeat_last_n": (lambda v: is_int(v) and v >= -1,
+                      "a whole number >= -1 (0: off, -1: the whole context)"),
+    "seed": (lambda v: is_int(v) and -1 <= v < 2**64,
+             "a whole number from 0 to 2**64 - 1, or -1 for a fresh random seed each time"),
+}
+
+
+def sampler_problems(values: Mapping[str, Any]) -> dict[str, str]:
+    """{field: what it must be} for each of `values`' sampler fields that breaks its rule."""
+    return {name: rule for name, (ok, rule) in SAMPLER_RULES.items()
+            if name in values and not ok(values[name])}
+
+
 @dataclass(frozen=True)
 class SamplerParams:
     """Sampling settings; defaults are llama.cpp's."""
@@ -67,26 +92,11 @@ class SamplerParams:
         return cls(temperature=0.0)
 
     def validate(self) -> SamplerParams:
-        """Raise SamplerError naming the first bad field and its allowed range; return self."""
-        def bad(name: str, allowed: str) -> SamplerError:
-            return SamplerError(f"sampler setting {name}={getattr(self, name)!r} is invalid: "
-                                f"{allowed}")
-
-        if not is_real(self.temperature):
-            raise bad("temperature", "must be a finite number (<= 0 means greedy)")
-        if not is_int(self.top_k):
-            raise bad("top_k", "must be an integer (<= 0 disables top-k)")
-        if not (is_real(self.top_p) and 0.0 <= self.top_p <= 1.0):
-            raise bad("top_p", "must be a number in [0, 1] (1 disables top-p)")
-        if not (is_real(self.min_p) and 0.0 <= self.min_p <= 1.0):
-            raise bad("min_p", "must be a number in [0, 1] (0 disables min-p)")
-        if not (is_real(self.repeat_penalty) and self.repeat_penalty > 0):
-            raise bad("repeat_penalty", "must be a number > 0 (1 disables the penalty)")
-        if not (is_int(self.repeat_last_n) and self.repeat_last_n >= -1):
-            raise bad("repeat_last_n",
-                      "must be an integer >= -1 (0 disables, -1 means the whole history)")
-        if not (is_int(self.seed) and -1 <= self.seed < 2**64):
-            raise bad("seed", "must be an integer in [0, 2**64) or -1 for a random seed")
+        """Raise SamplerError naming the first bad field and what it must be (SAMPLER_RULES,
+        the one set of rules the app and the CLI share); return self."""
+        for name, rule in sampler_problems(self.to_dict()).items():
+            raise SamplerError(f"sampler setting {name}={getattr(self, name)!r} is invalid: "
+                               f"must be {rule}")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -553,7 +553,7 @@ async def test_invalid_settings_are_rejected_with_a_message(dirs, tiny_model_pat
         screen = app.screen
         assert isinstance(screen, SettingsScreen)   # still open: nothing was saved
         top_p = str(screen.query_one("#top_p-error").render())
-        assert "Top-p must be a number in (0, 1]" in top_p
+        assert "Top-p must be a number in [0, 1]" in top_p
         assert "Seed must be a whole number" in str(screen.query_one("#seed-error").render())
         assert "2 setting(s) need fixing" in str(screen.query_one("#settings-errors").render())
         await pilot.press("escape")

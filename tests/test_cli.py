@@ -181,8 +181,8 @@ def test_full_disk_is_one_error_line(tiny_model_path, cmd):
 def test_negative_temperature_is_refused_with_the_range(tiny_model_path, capsys, value):
     assert main(["generate", "-m", str(tiny_model_path), "-p", "hi", "--temp", value]) == 1
     err = capsys.readouterr().err
-    assert err == (f"nanoqwen generate: error: --temp {float(value):g}: the temperature must "
-                   "be 0 (greedy) or a finite number > 0\n")
+    assert err == (f"nanoqwen generate: error: --temp: sampler setting temperature="
+                   f"{float(value)!r} is invalid: must be a number >= 0 (0: greedy)\n")
 
 
 def test_temperature_zero_is_greedy(tiny_model_path, capsys):

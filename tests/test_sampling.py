@@ -68,12 +68,12 @@ def test_defaults_are_llamacpps():
     assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n,
             p.seed) == (0.8, 40, 0.95, 0.05, 1.0, 64, -1)
     assert not p.greedy and SamplerParams.greedy_params().greedy
-    assert SamplerParams(temperature=-1).greedy  # llama.cpp: temp <= 0 is greedy
+    assert SamplerParams(temperature=0).greedy
 
 
 @pytest.mark.parametrize("field,value", [
-    ("temperature", float("nan")), ("temperature", "hot"),
-    ("top_k", 2.5), ("top_k", True),
+    ("temperature", float("nan")), ("temperature", "hot"), ("temperature", -0.5),
+    ("top_k", 2.5), ("top_k", True), ("top_k", -1),
     ("top_p", 1.5), ("top_p", -0.1),
     ("min_p", 2.0), ("min_p", float("inf")),
     ("repeat_penalty", 0.0), ("repeat_penalty", -1.1),

@@ -38,17 +38,17 @@ def test_missing_file_gives_defaults_silently(tmp_path):
 
 @pytest.mark.parametrize("form, field, words", [
     ({"temperature": "abc"}, "temperature", "Temperature must be a number (got 'abc')"),
-    ({"temperature": "0"}, "temperature", "switch on greedy decoding"),
+    ({"temperature": "-0.5"}, "temperature", "Temperature must be a number >= 0 (0: greedy)"),
     ({"top_k": "2.5"}, "top_k", "Top-k must be a whole number"),
     ({"top_k": "-3"}, "top_k", "Top-k must be a whole number >= 0"),
-    ({"top_p": "1.5"}, "top_p", "Top-p must be a number in (0, 1]"),
+    ({"top_p": "1.5"}, "top_p", "Top-p must be a number in [0, 1]"),
     ({"min_p": "-0.1"}, "min_p", "Min-p must be a number in [0, 1]"),
     ({"repeat_penalty": "0"}, "repeat_penalty", "Repetition penalty must be a number > 0"),
     ({"repeat_last_n": "-2"}, "repeat_last_n", "Penalty window must be a whole number >= -1"),
-    ({"seed": "-5"}, "seed", "Seed must be a whole number >= 0, or -1"),
+    ({"seed": "-5"}, "seed", "Seed must be a whole number from 0 to 2**64 - 1, or -1"),
     ({"max_new_tokens": "0"}, "max_new_tokens", "Max new tokens must be a whole number from 1"),
     ({"decode_mode": "turbo"}, "decode_mode", "Decode mode must be one of graph, eager"),
-    ({"temperature": "nan"}, "temperature", "Temperature must be a number > 0"),
+    ({"temperature": "nan"}, "temperature", "Temperature must be a number >= 0"),
     ({"cpu_threads": "-1"}, "cpu_threads", "CPU threads must be a whole number from 0"),
     ({"cpu_threads": str((os.cpu_count() or 1) + 1)}, "cpu_threads", "this machine's CPUs"),
 ])
@@ -98,3 +98,40 @@ def test_save_is_atomic_and_readable(tmp_path):
     save_settings(Settings(top_k=9), p)
     assert json.loads(p.read_text())["top_k"] == 9
     assert [f.name for f in p.parent.iterdir()] == ["settings.json"]  # no temp file left
+
+
+def test_the_app_and_the_cli_share_one_set_of_sampler_rules():
+    """The same value is accepted or refused by the settings form and by `nanoqwen
+    generate`'s flags alike, with the same rule in the message (SAMPLER_RULES); temperature
+    0 is greedy in both."""
+    import argparse
+
+    from nanoqwen.engine.cli_generate import sampler_params
+    from nanoqwen.engine.errors import NanoqwenError
+    from nanoqwen.engine.sampling import SAMPLER_RULES
+
+    flag = {"temperature": "temp"}
+    cases = [("temperature", v) for v in (0.0, 0.5, -0.5, float("nan"))] + \
+            [("top_k", v) for v in (0, 7, -1)] + [("top_p", v) for v in (0.0, 1.0, 1.5)] + \
+            [("min_p", v) for v in (0.0, 1.0, -0.1)] + \
+            [("repeat_penalty", v) for v in (0.5, 0.0)] + \
+            [("repeat_last_n", v) for v in (-1, 0, -2)] + [("seed", v) for v in (-1, 2**63, -5)]
+    for field, value in cases:
+        try:
+            s = Settings.from_form({field: str(value)})
+            app_error = None
+        except SettingsError as e:
+            app_error = e.errors[field]
+        args = argparse.Namespace(**{flag.get(field, field): value})
+        try:
+            p = sampler_params(args, None)
+            cli_error = None
+        except NanoqwenError as e:
+            cli_error = str(e)
+        assert (app_error is None) == (cli_error is None), (field, value, app_error, cli_error)
+        if app_error:
+            rule = SAMPLER_RULES[field][1]
+            assert rule in app_error and rule in cli_error
+        else:
+            assert getattr(p, field) == value or (field == "seed" and value == s.seed)
+    assert Settings.from_form({"temperature": "0"}).sampler_params().greedy
