@@ -47,6 +47,18 @@ def append(self, md):
     from textual.await_complete import AwaitComplete
     return AwaitComplete(w())
 AssistantMessage.append = append
+o_release = chat_mod._FrameHold.release
+def release(self):
+    mark("released")
+    return o_release(self)
+chat_mod._FrameHold.release = release
+from textual.screen import Screen
+o_tu = Screen._on_timer_update
+def tu(self):
+    if "released" in T and "update_start" not in T:
+        mark("update_start"); r = o_tu(self); mark("update_end"); return r
+    return o_tu(self)
+Screen._on_timer_update = tu
 rows = []
 o_turn = bench_app.app_turn
 async def app_turn(*a, **k):
