@@ -12,8 +12,9 @@
 //               position p lives in page page_table[p / 16], slot p % 16.
 //   pos         int32 [1] on the device: position of the current (first) token. Decode kernels
 //               read it at run time, so one captured CUDA graph serves every position.
-//   RoPE tables fp32 [max_positions, head_dim/2] cos and sin, computed on the host exactly as
-//               the reference backend does (fp32 inv_freq * position), HF rotate_half order.
+//   RoPE tables fp32 [max_positions, head_dim/2] cos and sin, computed on the host from the
+//               angles the reference backend uses (engine/rope.py: fp32 inv_freq * position),
+//               HF rotate_half order.
 #pragma once
 
 #include <cuda_fp16.h>

@@ -28,7 +28,6 @@ config's `_name_or_path`, else the directory's name; never a snapshot hash.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import re
@@ -39,21 +38,16 @@ from typing import Any, BinaryIO, Iterator
 
 import torch
 
-from .config import QUANT_GROUP_SIZE, ConfigError, ModelConfig
+from .config import ConfigError, ModelConfig
 from .errors import FormatError, NanoqwenError
 from .format import Progress, expected_tensors, write_model
 from .progress import StderrProgress
-from .quant import quantize
+from .quant import BLOCK_ELEMS as QUANT_BLOCK_ELEMS, quantize_blocks
+from .synthetic import SyntheticWeights
 from .tokenizer import DEFAULT_STOP_TOKENS, check_token_ids
 
 FP16_MAX = 65504.0
-# Elements converted at once. quantize() grows the peak by ~35 bytes per element (measured with
-# ru_maxrss: 69 MiB for a 2.1M-element block, k = 1536 or 8960: its fp32 temporaries and int64
-# codes), and each temporary stays <= 16 MB, under glibc's 32 MB dynamic mmap threshold, so
-# freed blocks can be reused from the heap instead of being mapped afresh for every block.
-BLOCK_ELEMS = 1 << 21
-ROW_CHUNK = 2048  # rows drawn at once by the synthetic writer (its random stream depends on it)
-INIT_STD = 0.02   # transformers' Qwen2 initializer_range
+BLOCK_ELEMS = QUANT_BLOCK_ELEMS  # elements converted at once (quant.py says why this many)
 # generation_config.json keys that describe the file, not how to sample
 _GEN_DROP = ("transformers_version", "_from_model_config")
 ARCHITECTURE = "Qwen2ForCausalLM"
@@ -175,17 +169,6 @@ def _fp16_tensor(f: BinaryIO, t: SourceTensor) -> torch.Tensor:
                               f"beyond fp16's range ({FP16_MAX:g}); it cannot be stored as fp16")
         out[r0:r1].copy_(w)  # fp32 -> fp16, round to nearest even (as .to(torch.float16))
     return out
-
-
-def quantize_blocks(w_rows: Iterator[tuple[int, int, torch.Tensor]], n: int, k: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize` of an [n, k] weight given as (r0, r1, fp32 rows) blocks: identical output
-    (every step of quantize is per row), memory bounded by the output plus one block."""
-    qweight = torch.empty(n, k // 8, dtype=torch.int32)
-    scales = torch.empty(n, k // QUANT_GROUP_SIZE, dtype=torch.float16)
-    for r0, r1, w in w_rows:
-        qweight[r0:r1], scales[r0:r1] = quantize(w)
-    return qweight, scales
 
 
 def _int4_tensor(f: BinaryIO, t: SourceTensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -440,56 +423,30 @@ def _check_special_ids(special: dict[str, Any], config: ModelConfig, where: Path
 
 # --- synthetic models ------------------------------------------------------------------------
 
-def _generator(seed: int, name: str) -> torch.Generator:
-    """A generator per tensor, seeded from (seed, name): any tensor is reproducible alone."""
-    h = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(h[:8], "little") & (2**63 - 1))
-
-
-def _normal_fp16(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-    out = torch.empty(shape, dtype=torch.float16)
-    flat = out.view(shape[0], -1)
-    for i in range(0, shape[0], ROW_CHUNK):  # draw fp32 in chunks: no full fp32 copy in RAM
-        rows = flat[i:i + ROW_CHUNK]
-        rows.copy_(torch.empty(rows.shape).normal_(0.0, INIT_STD, generator=g))
-    return out
-
-
-def _drawn_rows(n: int, k: int, g: torch.Generator) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """N(0, INIT_STD) rows of an [n, k] weight as quantize_blocks wants them: drawn ROW_CHUNK
-    rows at a time (the random stream), handed on in blocks of ~BLOCK_ELEMS elements."""
-    step = max(1, BLOCK_ELEMS // k)
-    for i in range(0, n, ROW_CHUNK):
-        w = torch.empty(min(ROW_CHUNK, n - i), k).normal_(0.0, INIT_STD, generator=g)
-        for j in range(0, w.shape[0], step):
-            yield i + j, i + min(j + step, w.shape[0]), w[j:j + step]
-
-
 def _synthetic_tensors(config: ModelConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, (dtype, shape) in expected_tensors(config).items():
+    """The file's tensors from synthetic.SyntheticWeights on the CPU (the generator the GPU
+    benchmark uses too), in file order; a projection's .qweight and .scales come from one pass."""
+    weights = SyntheticWeights(config, seed, device="cpu")
+    for name in expected_tensors(config):
         if name.endswith(".scales"):
             continue
-        g = _generator(seed, name)
         if name.endswith(".qweight"):
-            n, k = shape[0], shape[1] * 8
-            qweight, scales = quantize_blocks(_drawn_rows(n, k, g), n, k)
+            base = name.removesuffix(".qweight")
+            qweight, scales = weights.quantized(base)
             yield name, qweight
-            del qweight
-            yield name.removesuffix(".qweight") + ".scales", scales
+            del qweight  # write_model has written it: let it go before the next
+            yield base + ".scales", scales
             del scales
-        elif name.endswith("norm.weight"):
-            yield name, torch.ones(shape, dtype=torch.float16)
         else:
-            # embeddings, lm_head and q/k/v biases. transformers zero-inits biases; we draw
-            # them like the weights so that a bias the engine forgot to add shows in the logits
-            yield name, _normal_fp16(shape, g)
+            yield name, weights[name]
 
 
 def synthetic(preset_or_config: str | ModelConfig, out_path: str | Path, seed: int = 0,
               tokenizer_json: str | None = None, chat_template: str | None = None,
               progress: Progress | None = None) -> ModelConfig:
-    """A random-weight model of a preset name ("7b") or any ModelConfig, drawn as transformers
-    initialises Qwen2: linear and embedding weights N(0, 0.02), norms 1 (biases: see above).
+    """A random-weight model of a preset name ("7b") or any ModelConfig: the tensors of
+    synthetic.SyntheticWeights(config, seed) (weights and biases N(0, 0.02), norms
+    1 + 0.1 N(0, 1); the same tensors `nanoqwen bench --synthetic` makes on the GPU).
     `tokenizer_json` is the tokenizer.json *text* to embed (None: no tokenizer)."""
     config = (preset_or_config if isinstance(preset_or_config, ModelConfig)
               else ModelConfig.from_name(preset_or_config))

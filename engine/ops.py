@@ -114,22 +114,8 @@ def dequant_int4(qweight: torch.Tensor, scales: torch.Tensor,
 
 
 def quantize_int4_gpu(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """engine/quant.py's `quantize`, in torch on w's device (for synthetic models on the GPU).
+    """engine/quant.py's `quantize` of w on w's device (kept for benchmarks/ncu_gemv.py):
+    the same function, so the same bits as on the CPU."""
+    from .quant import quantize
 
-    Same math and layout: s = fp16(amax/7) per 128-group, q = clamp(round(w/s), -7, 7),
-    u = q + 8, nibble p of word j holds k = 8j + ORDER[p], ORDER = (0, 2, 4, 6, 1, 3, 5, 7).
-    """
-    from .quant import GROUP_SIZE, NIBBLE_ORDER, QMAX, CODE_OFFSET
-
-    n, k = w.shape
-    wf = w.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-    scales = (wf.abs().amax(dim=-1) / QMAX).to(torch.float16)
-    s = scales.float().unsqueeze(-1)
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    q = torch.where(s > 0, torch.round(wf / safe), torch.zeros_like(wf))
-    codes = (q.clamp(-QMAX, QMAX) + CODE_OFFSET).to(torch.int32).reshape(n, k // 8, 8)
-    word = torch.zeros(n, k // 8, dtype=torch.int32, device=w.device)
-    for p, elem in enumerate(NIBBLE_ORDER):
-        # int32 shifts wrap into the sign bit for p = 7, exactly the int32 bits quant.py stores
-        word |= (codes[:, :, elem] & 0xF) << (4 * p)
-    return word, scales
+    return quantize(w)

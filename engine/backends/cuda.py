@@ -33,7 +33,9 @@ from ..build import load_extension
 from ..config import KV_PAGE_SIZE, ModelConfig
 from ..errors import NanoqwenError
 from ..kv_cache import KVCache
+from ..rope import rope_tables
 from ..switches import read_switches
+from ..synthetic import SyntheticWeights
 from .base import Backend, ModelFileTensors, StepEvent
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -63,54 +65,6 @@ class _Layer:
     down_qw: torch.Tensor
     down_sc: torch.Tensor
     dense: tuple | None = None  # resident fp16 (W_qkv, W_o, W_gate_up, W_down) for prefill
-
-
-class SyntheticWeights(Mapping):
-    """Random weights of any preset generated on the GPU on demand, in the file's naming:
-    normal(0, 0.02) as transformers initialises, norms 1 + 0.1 N(0,1), projections quantized
-    on the GPU (ops.quantize_int4_gpu, quant.py's layout). Each tensor has its own seed, so
-    the model does not depend on the order of reads. No file, no CPU quantization."""
-
-    def __init__(self, config: ModelConfig, seed: int = 0, device="cuda", std: float = 0.02):
-        from ..format import expected_tensors
-
-        self.config, self.seed, self.device, self.std = config, seed, torch.device(device), std
-        self._names = expected_tensors(config)
-        self._last = None
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._names:
-            raise KeyError(name)
-        dtype, shape = self._names[name]
-        g = torch.Generator(device=self.device)
-        g.manual_seed((self.seed * 1_000_003 + sum(map(ord, name)) * 7919 + len(name)) % 2**62)
-        if name.endswith(".scales"):
-            return self._quantized(name.removesuffix(".scales"), g)[1]
-        if name.endswith(".qweight"):
-            return self._quantized(name.removesuffix(".qweight"), g)[0]
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            w = 1.0 + 0.1 * torch.randn(shape, generator=g, device=self.device)
-        else:
-            w = torch.randn(shape, generator=g, device=self.device) * self.std
-        return w.to(torch.float16)
-
-    def _quantized(self, base: str, g: torch.Generator):
-        from ..ops import quantize_int4_gpu
-
-        if self._last is not None and self._last[0] == base:  # .qweight then .scales
-            return self._last[1]
-        n, k8 = self._names[base + ".qweight"][1]
-        g.manual_seed((self.seed * 1_000_003 + sum(map(ord, base)) * 7919 + len(base)) % 2**62)
-        w = torch.randn(n, k8 * 8, generator=g, device=self.device) * self.std
-        out = quantize_int4_gpu(w)
-        self._last = (base, out)
-        return out
-
-    def __iter__(self):
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
 
 
 def _flatten(chunks) -> Iterator[StepEvent]:
@@ -189,9 +143,13 @@ class CudaBackend(Backend):
     @classmethod
     def synthetic(cls, config: ModelConfig, seed: int = 0, max_context: int | None = None,
                   mode: str = "graph", **kw) -> "CudaBackend":
-        """Random weights made on the GPU (no file): for benchmarks and tests."""
-        return cls(config, SyntheticWeights(config, seed), max_context=max_context, mode=mode,
-                   **kw)
+        """Random weights made on the GPU (no file): for benchmarks and tests. The same
+        tensors as `nanoqwen convert --synthetic` writes for (config, seed) (synthetic.py)."""
+        device = kw.get("device")
+        device = torch.device(device) if device is not None else \
+            torch.device("cuda", torch.cuda.current_device())
+        return cls(config, SyntheticWeights(config, seed, device=device), max_context=max_context,
+                   mode=mode, **kw)
 
     def _weight_bytes(self) -> int:
         from ..format import expected_tensors
@@ -309,12 +267,10 @@ class CudaBackend(Backend):
         # past the used pages can never leave the cache); the kernels clamp the length by it
         self.page_table = torch.arange(num_pages, dtype=torch.int32, device=dev)
         self._pt_host: list[int] = list(range(num_pages))
-        # RoPE tables exactly as the reference computes them (fp32 inv_freq x fp32 position)
+        # RoPE tables from the reference's angles (rope.py), built on the CPU and moved
         d = c.head_dim
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        freqs = torch.arange(num_pages * KV_PAGE_SIZE).float()[:, None] * inv_freq[None, :]
-        self.cos = freqs.cos().contiguous().to(dev)                          # [P, D/2]
-        self.sin = freqs.sin().contiguous().to(dev)
+        cos, sin = rope_tables(num_pages * KV_PAGE_SIZE, d, c.rope_theta)
+        self.cos, self.sin = cos.to(dev), sin.to(dev)                        # [P, D/2]
 
         def i32(n: int = 1):
             return torch.zeros(n, dtype=torch.int32, device=dev)

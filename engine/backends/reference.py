@@ -32,6 +32,7 @@ from ..config import ModelConfig
 from ..errors import NanoqwenError
 from ..kv_cache import KVCache
 from ..quant import dequantize
+from ..rope import rope_freqs
 from .base import Backend, ModelFileTensors, StepEvent
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -141,8 +142,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, head_dim] for integer positions [T] (frequencies repeated twice, as HF)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]          # [T, head_dim/2]
+    freqs = rope_freqs(positions, head_dim, theta)                   # [T, head_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)                          # [T, head_dim]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

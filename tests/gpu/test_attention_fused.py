@@ -15,6 +15,8 @@ import math
 import pytest
 import torch
 
+from nanoqwen.engine import rope
+
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -28,9 +30,9 @@ def ops():
 
 
 def rope_tables(n_pos: int, d: int):
-    inv_freq = 1.0 / (THETA ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    freqs = torch.arange(n_pos).float()[:, None] * inv_freq[None, :]
-    return freqs.cos().cuda(), freqs.sin().cuda()
+    """The engine's cos/sin tables [n_pos, d/2] (engine/rope.py), on the GPU."""
+    cos, sin = rope.rope_tables(n_pos, d, THETA)
+    return cos.cuda(), sin.cuda()
 
 
 def rope_ref(x, c, s):

@@ -25,11 +25,12 @@ SEVEN_B_2L = ModelConfig(name="7b-shapes-2-layers", **{**PRESETS["7b"], "num_hid
 
 
 def make_pair(cfg: ModelConfig, seed: int = 0, max_context: int = 512, gpu_weights=False):
-    from nanoqwen.engine.backends.cuda import CudaBackend, SyntheticWeights
+    from nanoqwen.engine.backends.cuda import CudaBackend
     from nanoqwen.engine.backends.reference import ReferenceBackend
+    from nanoqwen.engine.synthetic import SyntheticWeights
 
     if gpu_weights:
-        tensors = SyntheticWeights(cfg, seed)
+        tensors = SyntheticWeights(cfg, seed, device="cuda")
     else:
         tensors = helpers.file_tensors(cfg, helpers.random_weights(cfg, seed=seed))
     ref = ReferenceBackend(cfg, tensors, device="cuda", max_context=max_context)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nanoqwen.engine import rope
+
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -48,9 +50,9 @@ def test_rmsnorm(gen, T, H):
 # ---- RoPE + KV write --------------------------------------------------------------------------
 
 def rope_tables(n_pos: int, d: int, theta: float):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    freqs = torch.arange(n_pos).float()[:, None] * inv_freq[None, :]
-    return freqs.cos().cuda(), freqs.sin().cuda()
+    """The engine's cos/sin tables [n_pos, d/2] (engine/rope.py), on the GPU."""
+    cos, sin = rope.rope_tables(n_pos, d, theta)
+    return cos.cuda(), sin.cuda()
 
 
 def apply_rope_ref(x, cos, sin):  # x [T, h, d] fp32, cos/sin [T, d/2]
