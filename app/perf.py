@@ -37,7 +37,7 @@ from textual.containers import Vertical
 from textual.content import Content
 from textual.widgets import Label, Sparkline, Static
 
-from nanoqwen.engine.service import SeenMeter, StatsUpdate
+from nanoqwen.engine.service import SeenMeter, StatsUpdate, tokens_per_s
 
 # Keep the sparkline bounded on long replies; Sparkline buckets to its width anyway.
 _MAX_POINTS = 2048
@@ -128,7 +128,7 @@ class PerfPanel(Vertical):
         """The engine's figures so far; `shown_at`: when the text that came with them was
         written to the screen (None: no text came with them)."""
         self.steps_ms.extend(s.step_ms)
-        self._rates.extend(1000.0 / max(m, 1e-3) for m in s.step_ms)
+        self._rates.extend(tokens_per_s(1, max(m, 1e-3)) for m in s.step_ms)
         if len(self.steps_ms) > _MAX_POINTS:
             del self.steps_ms[:-_MAX_POINTS]
             del self._rates[:-_MAX_POINTS]

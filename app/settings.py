@@ -21,8 +21,9 @@ from typing import Any
 import platformdirs
 
 from nanoqwen.engine.sampling import SamplerParams, is_int, sampler_problems
+from nanoqwen.engine.service import MODES
 
-DECODE_MODES = ("graph", "eager")
+DECODE_MODES = MODES  # the engine's decode modes (engine/service.py)
 # the perf panel: beside the chat, a one-line summary under it, or hidden (F3 cycles; a
 # terminal too narrow for "full" shows "line")
 PERF_PANEL = ("full", "line", "hidden")

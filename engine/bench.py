@@ -17,7 +17,8 @@ Each figure is the median over repetitions.
 
 The model: `--model FILE` (default: the bundled model), loaded as `nanoqwen generate` loads it
 (engine/loader.py: "auto" is CUDA where it runs, else the reference backend on the CPU), or
-`--synthetic PRESET`: random weights made directly on the GPU (CUDA only; no file).
+`--synthetic PRESET`: random weights made directly on the GPU (CUDA only; no file), the very
+tensors `nanoqwen convert --synthetic PRESET` writes (seed 0; engine/synthetic.py).
 `--json` prints the rows with source, backend, device, commit and date (benchmarks/results/).
 """
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -58,6 +58,7 @@ def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
               seed: int = 0) -> list[dict]:
     import torch
 
+    from .rates import median_ms, tokens_per_s
     from .sampling import SamplerParams
 
     cfg = backend.config
@@ -77,19 +78,19 @@ def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
             steps = [e.step_ms for e in events[1:]]
             mspt.append(sum(steps) / len(steps))
         backend.truncate(0)
-        t_ms = statistics.median(ttft)
-        d_ms = statistics.median(mspt)
+        t_ms = median_ms(ttft)
+        d_ms = median_ms(mspt)
         mean_ctx = n_prompt + n_gen / 2
         kv_bytes = 2 * cfg.num_hidden_layers * mean_ctx * cfg.kv_size * 2
         gbs = (cfg.decode_bytes_per_token() + kv_bytes) / (d_ms * 1e-3) / 1e9
         common = dict(model=cfg.name, backend=backend.name, device=backend.device_name,
                       mode=mode, reps=reps)
-        rows.append(dict(common, test=f"pp{n_prompt}", tokens_per_s=n_prompt / (t_ms * 1e-3),
+        rows.append(dict(common, test=f"pp{n_prompt}", tokens_per_s=tokens_per_s(n_prompt, t_ms),
                          ttft_ms=t_ms, ttft_all=ttft))
         bw = {} if backend.name != "cuda" else dict(
             gb_per_s=gbs, pct_of_copy_bw=100 * gbs / COPY_BANDWIDTH_GBS)
-        rows.append(dict(common, test=f"tg{n_gen}", tokens_per_s=1e3 / d_ms, ms_per_token=d_ms,
-                         **bw, ms_per_token_all=mspt))
+        rows.append(dict(common, test=f"tg{n_gen}", tokens_per_s=tokens_per_s(1, d_ms),
+                         ms_per_token=d_ms, **bw, ms_per_token_all=mspt))
     return rows
 
 
@@ -111,18 +112,21 @@ def cli_bench(args) -> int:
     from .cli import write_stdout
     from .config import ModelConfig
     from .errors import NanoqwenError
+    from .service import MODES
 
     modes = None
     if args.mode is not None:
         modes = [m.strip() for m in args.mode.split(",") if m.strip()]
-        bad = [m for m in modes if m not in ("graph", "eager")]
+        bad = [m for m in modes if m not in MODES]
         if not modes or bad:
-            raise NanoqwenError(f"--mode {args.mode!r}: use a comma list of graph, eager")
+            raise NanoqwenError(f"--mode {args.mode!r}: use a comma list of {', '.join(MODES)}")
     for name in ("n_prompt", "n_gen", "repetitions"):
         if getattr(args, name) < 1:
             raise NanoqwenError(f"--{name.replace('_', '-')} must be at least 1")
 
-    max_context = args.n_prompt + args.n_gen + 16
+    # a repetition forwards the prompt and makes n decode steps: p + n positions (the last of
+    # its n + 1 tokens is sampled, not forwarded); the cache gets 16 more where the model has them
+    positions = args.n_prompt + args.n_gen
     t0 = time.perf_counter()
     loaded = None
     if args.synthetic:
@@ -131,12 +135,10 @@ def cli_bench(args) -> int:
                                 "for the reference backend bench a file: --model FILE (or "
                                 "`nanoqwen convert --synthetic PRESET -o FILE` first)")
         cfg = ModelConfig.from_name(args.synthetic)
-        if max_context > cfg.max_position_embeddings:
-            raise NanoqwenError(f"-p + -n = {max_context - 16} exceeds the model's context "
-                                f"{cfg.max_position_embeddings}")
+        cfg.check_context(positions, "-p + -n")
         from .backends.cuda import CudaBackend
 
-        backend = CudaBackend.synthetic(cfg, seed=0, max_context=max_context)
+        backend = CudaBackend.synthetic(cfg, seed=0, max_context=_cache_size(positions, cfg))
         source = f"synthetic {args.synthetic} (random weights, std 0.02)"
         size = backend._weight_bytes()
     else:
@@ -145,11 +147,9 @@ def cli_bench(args) -> int:
 
         path = args.model or loader.default_model_path()
         with open_model(path) as mf:  # the header only: the context the model allows
-            limit = mf.config.max_position_embeddings
-        if args.n_prompt + args.n_gen + 1 > limit:
-            raise NanoqwenError(f"-p + -n = {args.n_prompt + args.n_gen} exceeds the model's "
-                                f"context {limit}")
-        loaded = loader.load(path, backend=args.backend, max_context=min(max_context, limit),
+            cfg = mf.config
+        cfg.check_context(positions, "-p + -n")
+        loaded = loader.load(path, backend=args.backend, max_context=_cache_size(positions, cfg),
                              threads=args.threads)
         backend = loaded.backend
         source = str(path)
@@ -183,6 +183,10 @@ def cli_bench(args) -> int:
         if loaded is not None:
             loaded.close()
     return 0
+
+
+def _cache_size(positions: int, cfg) -> int:
+    return min(positions + 16, cfg.max_position_embeddings)
 
 
 def _threads(backend) -> int | None:

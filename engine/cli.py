@@ -23,6 +23,7 @@ import os
 import sys
 
 from .errors import NanoqwenError
+from .service import BACKENDS, MODES
 
 EXIT_SIGPIPE = 128 + 13
 
@@ -87,10 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system prompt")
     g.add_argument("--raw", action="store_true", help="no chat template: continue the text")
     g.add_argument("-n", "--n-predict", type=int, default=256, help="max new tokens")
-    g.add_argument("--backend", choices=["auto", "cuda", "reference"], default="auto")
+    g.add_argument("--backend", choices=BACKENDS, default="auto")
     g.add_argument("-t", "--threads", type=int, default=None,
                     help="CPU threads of the reference backend (default: one per core)")
-    g.add_argument("--mode", choices=["graph", "eager"], default="graph", help="CUDA decode mode")
+    g.add_argument("--mode", choices=MODES, default="graph", help="CUDA decode mode")
     g.add_argument("--stats", action="store_true", help="print timing to stderr at the end")
     add_sampler_args(g)
 
@@ -102,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-n", "--n-gen", type=int, default=128)
     b.add_argument("-r", "--repetitions", type=int, default=5)
     b.add_argument("--mode", default=None,
-                   help="comma list of graph, eager (default: every mode the backend has)")
-    b.add_argument("--backend", choices=["auto", "cuda", "reference"], default="auto")
+                   help=f"comma list of {', '.join(MODES)} (default: every mode the backend has)")
+    b.add_argument("--backend", choices=BACKENDS, default="auto")
     b.add_argument("-t", "--threads", type=int, default=None,
                     help="CPU threads of the reference backend (default: one per core)")
     b.add_argument("--json", action="store_true")

@@ -173,6 +173,16 @@ class ModelConfig:
         return cls(**d)
 
     # --- sizes --------------------------------------------------------------------------
+    def check_context(self, n: int, what: str = "max_context") -> int:
+        """n (a context asked for: a backend's max_context, a benchmark's -p + -n) if the model
+        holds it, else NanoqwenError with the numbers: the one check of a context length."""
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise NanoqwenError(f"{what} = {n!r} must be a positive integer")
+        if n > self.max_position_embeddings:
+            raise NanoqwenError(f"{what} = {n} exceeds the model's context "
+                                f"{self.max_position_embeddings} (max_position_embeddings)")
+        return n
+
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """The seven INT4 projections of one layer: name -> (out_features N, in_features K)."""
         h, i = self.hidden_size, self.intermediate_size

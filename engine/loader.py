@@ -27,10 +27,9 @@ import torch
 from .backends.base import Backend
 from .errors import BackendUnavailable, NanoqwenError
 from .format import ModelFile, Progress, open_model
-from .service import default_model_path  # defined where the torch-free app can reach it
+# BACKENDS and default_model_path are defined where the torch-free app can reach them
+from .service import BACKENDS, default_model_path
 from .tokenizer import Tokenizer
-
-BACKENDS = ("auto", "cuda", "reference")
 
 
 @dataclass
@@ -74,20 +73,17 @@ def load(path: str | Path | None = None, backend: str = "auto", mode: str = "gra
     """
     if backend not in BACKENDS:
         raise NanoqwenError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
-    if max_context is not None and max_context <= 0:
-        raise NanoqwenError(f"max_context={max_context} must be positive")
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
         raise NanoqwenError(f"model file {path} does not exist")
     mf = open_model(path)
     try:
+        if max_context is not None:  # before the checksums: a bad value fails at once
+            mf.config.check_context(max_context)
         if verify:
             mf.verify(progress=None if progress is None else
                       (lambda done, total, _name: progress(done, total, "verifying checksums")))
         tokenizer = Tokenizer.from_model_file(mf)
-        if max_context is not None and max_context > mf.config.max_position_embeddings:
-            raise NanoqwenError(f"max_context={max_context} exceeds the model's "
-                                f"max_position_embeddings={mf.config.max_position_embeddings}")
         reason = None
         be: Backend | None = None
         if backend in ("auto", "cuda"):

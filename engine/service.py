@@ -25,7 +25,6 @@ session are imported when a model is opened, so the app starts without paying fo
 from __future__ import annotations
 
 import collections
-import statistics
 import sys
 import threading
 import time
@@ -34,7 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ContextFullError, NanoqwenError
+from .rates import median_ms, tokens_per_s  # also the app's (it imports the service only)
 
+# The backends `open` / loader.load take ("auto": CUDA where it runs, else the reference) and
+# the decode modes a backend may have (CudaBackend has both, the reference backend only eager):
+# the one list of each, here where the torch-free app and the CLI's parser can read them.
+BACKENDS = ("auto", "cuda", "reference")
+MODES = ("graph", "eager")
 BATCH_SECONDS = 0.04     # at most one Batch per window (the UI's message rate)
 ROLLING_SECONDS = 1.0    # the rolling decode figures cover the last second of decode steps
 
@@ -346,9 +351,8 @@ class _StatsAccumulator:
         if not self.dirty and self.final is None and self.n == 0:
             return None
         w = self.window
-        rolling = dict(rolling_tokens_per_s=len(w) / self.window_ms * 1e3
-                       if self.window_ms > 0 else None,
-                       rolling_median_ms=statistics.median(w) if w else None)
+        rolling = dict(rolling_tokens_per_s=tokens_per_s(len(w), self.window_ms),
+                       rolling_median_ms=median_ms(w))
         f = self.final
         if f is not None:  # the engine's own summary of the turn is the last word
             u = StatsUpdate(f.ttft_ms, self.latest, f.ms_per_token, f.tokens_per_s,
@@ -358,7 +362,7 @@ class _StatsAccumulator:
         else:
             be = self.backend
             u = StatsUpdate(self.ttft, self.latest, None,
-                            self.n_steps / self.total_ms * 1e3 if self.total_ms > 0 else None,
+                            tokens_per_s(self.n_steps, self.total_ms),
                             tuple(self.new), self.n, len(be.kv_tokens), be.max_context,
                             be.mode, **rolling)
         self.new = []

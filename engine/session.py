@@ -24,12 +24,12 @@ is raised (with the numbers) before anything is changed.
 
 from __future__ import annotations
 
-import statistics
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .errors import ContextFullError, NanoqwenError
+from .rates import median_ms, tokens_per_s
 from .tokenizer import IncrementalDetokenizer
 
 
@@ -163,12 +163,12 @@ def run_turn(backend, tokenizer, prompt_ids: Sequence[int], params, max_new_toke
     n_prefilled = len(prompt_ids) - n_reuse
     yield Stats(
         ttft_ms=step_ms[0] if step_ms else 0.0,
-        ms_per_token=statistics.median(decode) if decode else None,
-        tokens_per_s=len(decode) / sum(decode) * 1e3 if decode and sum(decode) > 0 else None,
+        ms_per_token=median_ms(decode),
+        tokens_per_s=tokens_per_s(len(decode), sum(decode)),
         n_prompt=len(prompt_ids), n_generated=len(reply.ids), kv_len=len(backend.kv_tokens),
         max_context=backend.max_context, mode=backend.mode, n_prefilled=n_prefilled,
         n_reused=n_reuse,
-        prefill_tokens_per_s=n_prefilled / step_ms[0] * 1e3 if step_ms and step_ms[0] > 0 else None,
+        prefill_tokens_per_s=tokens_per_s(n_prefilled, step_ms[0]) if step_ms else None,
         backend=backend.name)
     yield Done(reason)
 

@@ -50,10 +50,8 @@ class Backend:
     modes: tuple[str, ...] = ("eager",)
 
     def __init__(self, config: ModelConfig, max_context: int) -> None:
-        if max_context <= 0:
-            raise ValueError(f"max_context={max_context} must be positive")
         self.config = config
-        self.max_context = max_context
+        self.max_context = config.check_context(max_context)  # NanoqwenError with the numbers
         self.kv_tokens: list[int] = []
         self._mode = self.modes[0]
 

@@ -34,6 +34,7 @@ from ..config import KV_PAGE_SIZE, ModelConfig
 from ..errors import NanoqwenError
 from ..kv_cache import KVCache
 from ..rope import rope_tables
+from ..service import MODES
 from ..switches import read_switches
 from ..synthetic import SyntheticWeights
 from .base import Backend, ModelFileTensors, StepEvent
@@ -83,7 +84,7 @@ def _gib(n: int) -> str:
 
 class CudaBackend(Backend):
     name = "cuda"
-    modes = ("graph", "eager")
+    modes = MODES
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, torch.Tensor],
                  max_context: int | None = None, mode: str = "graph",
@@ -96,10 +97,7 @@ class CudaBackend(Backend):
         load_extension()  # BackendUnavailable with the reason when it cannot build/run
         if max_context is None:
             max_context = config.max_position_embeddings
-        if max_context > config.max_position_embeddings:
-            raise ValueError(f"max_context={max_context} exceeds the model's "
-                             f"max_position_embeddings={config.max_position_embeddings}")
-        super().__init__(config, max_context)
+        super().__init__(config, max_context)  # checks max_context against the model
         self.mode = mode
         self.device = torch.device(device) if device is not None else \
             torch.device("cuda", torch.cuda.current_device())

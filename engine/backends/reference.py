@@ -276,10 +276,7 @@ class ReferenceBackend(Backend):
             max_context = config.max_position_embeddings
             if device.type == "cpu":
                 max_context = min(max_context, CPU_MAX_CONTEXT)
-        if max_context > config.max_position_embeddings:
-            raise ValueError(f"max_context={max_context} exceeds the model's "
-                             f"max_position_embeddings={config.max_position_embeddings}")
-        super().__init__(config, max_context)
+        super().__init__(config, max_context)  # checks max_context against the model
         self.device, self.dtype = device, dtype
         self.device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
                             else "cpu")
