@@ -394,12 +394,16 @@ cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* co
   const dim3 grid(n_kv, num_splits);
   // one instantiation per (head_dim, GQA ratio): G is a template parameter so the heads' loops
   // unroll and interleave (RESULTS.md, "Fused decode attention", run 2)
+  bool launched = false;
+  cudaError_t e = cudaSuccess;
 #define NQ_DECODE_CASE(HD, G)                                                                    \
   case G:                                                                                      \
-    return launch_pdl("attention_decode<" #HD ", " #G ">", attn_decode_kernel<HD, G>, grid,    \
-                      dim3(kDecThreads), 0, stream, out, ws_acc, ws_ml, counters, qkv, k_cache, \
-                      v_cache, cos_table, sin_table, page_table, table_len, pos, n_heads, n_kv, \
-                      num_splits, min_pps, scale_log2);
+    launched = true;                                                                           \
+    e = launch_pdl("attention_decode<" #HD ", " #G ">", attn_decode_kernel<HD, G>, grid,       \
+                   dim3(kDecThreads), 0, stream, out, ws_acc, ws_ml, counters, qkv, k_cache,    \
+                   v_cache, cos_table, sin_table, page_table, table_len, pos, n_heads, n_kv,    \
+                   num_splits, min_pps, scale_log2);                                           \
+    break;
 #define NQ_DECODE_HD(HD)                                                                         \
   switch (n_heads / n_kv) {                                                                    \
     NQ_DECODE_CASE(HD, 1) NQ_DECODE_CASE(HD, 2) NQ_DECODE_CASE(HD, 3) NQ_DECODE_CASE(HD, 4)   \
@@ -413,8 +417,14 @@ cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* co
   }
 #undef NQ_DECODE_HD
 #undef NQ_DECODE_CASE
-  return nq_fail(cudaErrorInvalidValue, "attention_decode: no instance for head_dim=%d, G=%d",
-                 head_dim, n_heads / n_kv);  // unreachable after the checks above
+  if (!launched)
+    return nq_fail(cudaErrorInvalidValue, "attention_decode: no instance for head_dim=%d, G=%d",
+                   head_dim, n_heads / n_kv);  // unreachable after the checks above
+  if (e == cudaSuccess) return e;
+  return nq_fail(e,
+                 "attention_decode: n_heads=%d n_kv=%d head_dim=%d num_splits=%d table_len=%d "
+                 "min_pps=%d: %s",
+                 n_heads, n_kv, head_dim, num_splits, table_len, min_pps, last_error_message());
 }
 
 }  // namespace nanoqwen

@@ -312,7 +312,9 @@ void check_pinned(const char* op, const char* name, const Tensor& t, int64_t col
            ", got ", at::toString(t.scalar_type()), " ", shape_str(t));
 }
 
-// The device alias of pinned host memory (with unified addressing, the host address).
+// The device alias of pinned host memory. A refusal is not an error here: torch's pinned memory
+// may not be mapped explicitly, and with unified addressing (every sm_90 host) the host address
+// is the device's, so the fallback is exact; the refusal is cleared so no launch reports it.
 void* mapped(const Tensor& t) {
   void* dev = nullptr;
   if (cudaHostGetDevicePointer(&dev, t.data_ptr(), 0) != cudaSuccess) {
@@ -477,12 +479,21 @@ struct NoGil {
   }
 };
 
-// engine.cu's failures carry their context and the CUDA error (kernels.h's convention); a raw
-// CUDA call of this class records nothing, so then the error itself is the message.
+// engine.cu's failures carry their context and the CUDA error (kernels.h's convention): the
+// exception is "nanoqwen engine: <what>: <that message>".
 void check_engine(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return;
   const std::string m = nanoqwen::take_last_error();
   fail("nanoqwen engine: ", what, ": ", m.empty() ? std::string(cudaGetErrorString(e)) : m);
+}
+
+// A raw CUDA call of this class: the same form, "nanoqwen engine: <what>: <CUDA error>", where
+// `what` names the call and its numbers. The error is cleared first (a failed copy or sync is
+// not sticky), so the next launch's cudaGetLastError check does not report it as its own.
+void check_cuda(cudaError_t e, const std::string& what) {
+  if (e == cudaSuccess) return;
+  (void)cudaGetLastError();
+  fail("nanoqwen engine: ", what, ": ", cudaGetErrorString(e));
 }
 
 class Engine : public torch::CustomClassHolder {
@@ -630,8 +641,8 @@ class Engine : public torch::CustomClassHolder {
     NoGil nogil;
     const c10::cuda::CUDAGuard dg(device_);
     loop_->stop();
-    const cudaError_t se = cudaStreamSynchronize(stream_);
-    if (se != cudaSuccess) fail("nanoqwen engine: waiting for the previous turn: ", cudaGetErrorString(se));
+    check_cuda(cudaStreamSynchronize(stream_),
+               "begin_turn: cudaStreamSynchronize (waiting for the previous turn)");
     loop_->reset_turn();
     stops_host_[0] = (int32_t)stop_ids.size();
     loop_->host_stops.clear();
@@ -640,11 +651,13 @@ class Engine : public torch::CustomClassHolder {
       loop_->host_stops.push_back((int32_t)stop_ids[i]);
     }
     // pageable source, stream idle: the copy is complete when this returns
-    cudaError_t e = cudaMemcpyAsync(const_cast<int32_t*>(a_.stops), stops_host_,
-                                    sizeof(stops_host_), cudaMemcpyHostToDevice, stream_);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
-    if (e == cudaSuccess) e = nanoqwen::stamp_time(loop_->start_stamp(), stream_);
-    if (e != cudaSuccess) fail("nanoqwen engine: begin_turn: ", cudaGetErrorString(e));
+    check_cuda(cudaMemcpyAsync(const_cast<int32_t*>(a_.stops), stops_host_, sizeof(stops_host_),
+                               cudaMemcpyHostToDevice, stream_),
+               "begin_turn: cudaMemcpyAsync of " + std::to_string(stop_ids.size()) +
+                   " stop ids (" + std::to_string(sizeof(stops_host_)) + " bytes) to the device");
+    check_cuda(cudaStreamSynchronize(stream_),
+               "begin_turn: cudaStreamSynchronize after the stop ids' copy");
+    check_engine(nanoqwen::stamp_time(loop_->start_stamp(), stream_), "begin_turn");
   }
 
   // K/V of ids (CPU int32 [T]) at positions pos0.. and the logits of the last one; with
@@ -671,11 +684,15 @@ class Engine : public torch::CustomClassHolder {
     const c10::cuda::CUDAStreamGuard sg(c10::cuda::getStreamFromExternal(stream_, device_.index()));
     const nanoqwen::StepArgs& a = a_;
     Tensor ctx = g_[20].narrow(0, pos0, T);
-    check_engine(cudaMemcpyAsync(ctx.data_ptr(), idp, T * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                 stream_), "copying the prompt ids");
+    check_cuda(cudaMemcpyAsync(ctx.data_ptr(), idp, T * sizeof(int32_t), cudaMemcpyHostToDevice,
+                               stream_),
+               "prefill: cudaMemcpyAsync of " + std::to_string(T) + " prompt ids (" +
+                   std::to_string(T * sizeof(int32_t)) + " bytes) to ctx_tokens[" +
+                   std::to_string(pos0) + "..]");
     if (T == 1) {
-      check_engine(cudaMemcpyAsync(a.token_in, ctx.data_ptr(), sizeof(int32_t),
-                                   cudaMemcpyDeviceToDevice, stream_), "token_in");
+      check_cuda(cudaMemcpyAsync(a.token_in, ctx.data_ptr(), sizeof(int32_t),
+                                 cudaMemcpyDeviceToDevice, stream_),
+                 "prefill: cudaMemcpyAsync of the token id (4 bytes) to token_in");
       g_[17].fill_((int)pos0);
       check_engine(loop_->run_step(graph), "prefill of one token (a decode step)");
       return;
@@ -767,8 +784,9 @@ class Engine : public torch::CustomClassHolder {
     const c10::cuda::CUDAGuard dg(device_);
     loop_->cancel();
     loop_->stop();
-    const cudaError_t e = cudaStreamSynchronize(stream_);
-    if (e != cudaSuccess) fail("nanoqwen engine: the decode stream failed: ", cudaGetErrorString(e));
+    check_cuda(cudaStreamSynchronize(stream_),
+               "finish: cudaStreamSynchronize (the decode stream failed after " +
+                   std::to_string(loop_->launched()) + " launched steps)");
   }
 
   std::string error() { return loop_->error(); }

@@ -49,8 +49,9 @@ inline bool pdl_enabled() {
 // kern<<<grid, block, smem, stream>>>(args...) with the programmatic-stream-serialization
 // attribute (see above). On failure (the launch's own error, or one cudaGetLastError reports
 // right after it) records "<what>: launch of grid (x, y, z) x block b with s bytes of dynamic
-// shared memory (PDL on|off) failed" and returns the error. `what` names the kernel and its
-// instance, e.g. "attention_decode<128, 7>".
+// shared memory (PDL on|off) failed: <CUDA error>" and returns the error. `what` names the
+// kernel and its instance, e.g. "attention_decode<128, 7>"; the launcher wraps the message with
+// its shape arguments.
 template <typename... KArgs, typename... Args>
 cudaError_t launch_pdl(const char* what, void (*kern)(KArgs...), dim3 grid, dim3 block,
                        size_t smem, cudaStream_t stream, Args&&... args) {
@@ -68,8 +69,8 @@ cudaError_t launch_pdl(const char* what, void (*kern)(KArgs...), dim3 grid, dim3
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e == cudaSuccess) return e;
   return nq_fail(e, "%s: launch of grid (%u, %u, %u) x block %u with %zu bytes of dynamic shared "
-                 "memory (PDL %s) failed", what, grid.x, grid.y, grid.z, block.x, smem,
-                 pdl_enabled() ? "on" : "off");
+                 "memory (PDL %s) failed: %s", what, grid.x, grid.y, grid.z, block.x, smem,
+                 pdl_enabled() ? "on" : "off", cudaGetErrorString(e));
 }
 
 // Dynamic shared memory above 48 KB needs the kernel's attribute raised. Call sites do it once
@@ -85,8 +86,8 @@ cudaError_t set_max_smem(void (*kern)(KArgs...), int bytes) {
   return e;
 }
 inline cudaError_t smem_refused(cudaError_t e, const char* what, int bytes) {
-  return nq_fail(e, "%s: cudaFuncSetAttribute(MaxDynamicSharedMemorySize, %d bytes) refused",
-                 what, bytes);
+  return nq_fail(e, "%s: cudaFuncSetAttribute(MaxDynamicSharedMemorySize, %d bytes) refused: %s",
+                 what, bytes, cudaGetErrorString(e));
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

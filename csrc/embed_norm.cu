@@ -36,8 +36,10 @@ cudaError_t embed_gather(float* hidden, const half* table, const int32_t* ids, i
     return nq_fail(cudaErrorInvalidValue,
                    "embed_gather: H=%d must be a multiple of 8 and vocab=%d >= 1 (T=%d)", H, vocab,
                    T);
-  return launch_pdl("embed_gather_kernel", embed_gather_kernel, dim3(T), dim3(256), 0, stream,
-                    hidden, table, ids, H, vocab);
+  const cudaError_t e = launch_pdl("embed_gather_kernel", embed_gather_kernel, dim3(T), dim3(256),
+                                   0, stream, hidden, table, ids, H, vocab);
+  if (e == cudaSuccess) return e;
+  return nq_fail(e, "embed_gather: T=%d H=%d vocab=%d: %s", T, H, vocab, last_error_message());
 }
 
 // One block per row. Each thread keeps its slice of the row in registers between the
@@ -86,8 +88,10 @@ cudaError_t rmsnorm(half* out, const float* hidden, const half* weight, int T, i
     return nq_fail(cudaErrorInvalidValue,
                    "rmsnorm: H=%d must be a multiple of 4 and at most %d (T=%d)", H,
                    kNormThreads * 4 * kMaxVec, T);
-  return launch_pdl("rmsnorm_kernel", rmsnorm_kernel, dim3(T), dim3(kNormThreads), 0, stream, out,
-                    hidden, weight, H, eps);
+  const cudaError_t e = launch_pdl("rmsnorm_kernel", rmsnorm_kernel, dim3(T), dim3(kNormThreads),
+                                   0, stream, out, hidden, weight, H, eps);
+  if (e == cudaSuccess) return e;
+  return nq_fail(e, "rmsnorm: T=%d H=%d: %s", T, H, last_error_message());
 }
 
 }  // namespace nanoqwen

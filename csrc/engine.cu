@@ -146,14 +146,21 @@ DecodeLoop::DecodeLoop(StepArgs* a, cudaStream_t stream, int device)
   halt_ = ring_ + 4 * kRingSize;                                   // 16-byte aligned
   stamp_ = reinterpret_cast<uint64_t*>(ring_ + 4 * kRingSize + 4);  // 8-byte aligned
   void* d = nullptr;
-  if (cudaHostGetDevicePointer(&d, p, 0) == cudaSuccess && d != p) {
+  const cudaError_t de = cudaHostGetDevicePointer(&d, p, 0);
+  if (de != cudaSuccess || d != p) {
     // no unified addressing: the kernels need the device alias (never seen on sm_90 hosts)
-    record(cudaErrorNotSupported, "the pinned ring's device address differs from its host address");
+    if (de != cudaSuccess) {
+      (void)cudaGetLastError();
+      record(de, "cudaHostGetDevicePointer of the %d-slot token ring (%zu bytes)", kRingSize,
+             ring_bytes);
+    } else {
+      record(cudaErrorNotSupported, "the pinned ring's device address differs from its host "
+             "address");
+    }
     cudaFreeHost(p);
     ring_ = nullptr;
     return;
   }
-  (void)cudaGetLastError();
   a_->ring = ring_;
   a_->ring_size = kRingSize;
   a_->halt = halt_;
@@ -168,7 +175,9 @@ DecodeLoop::~DecodeLoop() {
 }
 
 cudaError_t DecodeLoop::capture() {
-  if (!ring_) return cudaErrorMemoryAllocation;
+  if (!ring_)
+    return record(cudaErrorMemoryAllocation, "capture: the %d-slot token ring was not allocated",
+                  kRingSize);
   if (exec_) { cudaGraphExecDestroy(exec_); exec_ = nullptr; }
   if (graph_def_) { cudaGraphDestroy(graph_def_); graph_def_ = nullptr; }
   gated_ = false;
@@ -179,28 +188,42 @@ cudaError_t DecodeLoop::capture() {
   if (e != cudaSuccess) return record(e, "cudaGraphCreate");
   cudaGraphConditionalHandle h;
   bool ok = false;
+  // the call that refused the gated graph, for capture_note_ (this path falls back, not fails)
+  const char* refused = "";
+  std::string gate_detail;
   do {
+    refused = "cudaGraphConditionalHandleCreate";
     if ((e = cudaGraphConditionalHandleCreate(&h, g, 0, cudaGraphCondAssignDefault)) != cudaSuccess) break;
+    refused = "cudaStreamBeginCaptureToGraph (the gate)";
     if ((e = cudaStreamBeginCaptureToGraph(stream_, g, nullptr, nullptr, 0,
                                            cudaStreamCaptureModeRelaxed)) != cudaSuccess) break;
     gate_kernel<<<1, 1, 0, stream_>>>(h, halt_);
     cudaError_t le = cudaGetLastError();
     cudaGraph_t g2 = g;
     e = cudaStreamEndCapture(stream_, &g2);
+    refused = "the gate kernel's launch (grid 1 x block 1)";
     if (le != cudaSuccess) { e = le; break; }
+    refused = "cudaStreamEndCapture (the gate)";
     if (e != cudaSuccess) break;
     cudaGraphNode_t gate = nullptr;
     size_t n = 1;
+    refused = "cudaGraphGetNodes (the gate)";
     if ((e = cudaGraphGetNodes(g, &gate, &n)) != cudaSuccess) break;
-    if (n != 1) { e = cudaErrorUnknown; break; }
+    if (n != 1) {
+      e = cudaErrorUnknown;
+      gate_detail = ": " + std::to_string(n) + " nodes, expected 1";
+      break;
+    }
     cudaGraphNodeParams p = {};
     p.type = cudaGraphNodeTypeConditional;
     p.conditional.handle = h;
     p.conditional.type = cudaGraphCondTypeIf;
     p.conditional.size = 1;
     cudaGraphNode_t cnode = nullptr;
+    refused = "cudaGraphAddNode (the IF node)";
     if ((e = cudaGraphAddNode(&cnode, g, &gate, nullptr, 1, &p)) != cudaSuccess) break;
     cudaGraph_t body = p.conditional.phGraph_out[0];
+    refused = "cudaStreamBeginCaptureToGraph (the step body)";
     if ((e = cudaStreamBeginCaptureToGraph(stream_, body, nullptr, nullptr, 0,
                                            cudaStreamCaptureModeRelaxed)) != cudaSuccess) break;
     const cudaError_t se = launch_step(*a_, stream_);
@@ -208,7 +231,9 @@ cudaError_t DecodeLoop::capture() {
     cudaGraph_t b2 = body;
     e = cudaStreamEndCapture(stream_, &b2);
     if (se != cudaSuccess) { nq_fail(se, "%s", step_msg.c_str()); cudaGraphDestroy(g); return se; }
+    refused = "cudaStreamEndCapture (the step body)";
     if (e != cudaSuccess) break;
+    refused = "cudaGraphInstantiate (the gated graph)";
     if ((e = cudaGraphInstantiate(&exec_, g, 0)) != cudaSuccess) break;
     ok = true;
   } while (false);
@@ -217,9 +242,9 @@ cudaError_t DecodeLoop::capture() {
     gated_ = true;
     return cudaSuccess;
   }
-  // the driver refused the conditional graph: say so, and capture the plain step
-  capture_note_ = std::string("halt-gated graph unavailable (") + cudaGetErrorString(e) +
-                  "); queued graph steps run to completion after a stop";
+  // the driver refused the conditional graph: say which call and why, and capture the plain step
+  capture_note_ = std::string("halt-gated graph unavailable (") + refused + gate_detail + ": " +
+                  cudaGetErrorString(e) + "); queued graph steps run to completion after a stop";
   (void)cudaGetLastError();
   cudaStreamCaptureStatus st;
   if (cudaStreamIsCapturing(stream_, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone) {
@@ -299,7 +324,15 @@ void DecodeLoop::start(int64_t n_steps, int run_ahead) {
 }
 
 void DecodeLoop::thread_main(int64_t n_steps, int run_ahead) {
-  cudaSetDevice(device_);
+  // a new thread starts on device 0: the steps must go to the engine's
+  if (const cudaError_t e = cudaSetDevice(device_)) {
+    (void)cudaGetLastError();
+    set_error(std::string("the launcher thread's cudaSetDevice(") + std::to_string(device_) +
+              "): " + cudaGetErrorString(e));
+    if (halt_) *reinterpret_cast<volatile int32_t*>(halt_) = 1;
+    thread_done_ = true;
+    return;
+  }
   for (int64_t i = 1; i <= n_steps; ++i) {
     {
       std::unique_lock<std::mutex> lk(mu_);
@@ -372,7 +405,8 @@ int DecodeLoop::collect(int64_t first, int64_t max_n, int64_t min_wait_us, int64
     if (++polls % 16 == 0) {
       const cudaError_t q = cudaStreamQuery(stream_);
       if (q != cudaSuccess && q != cudaErrorNotReady) {
-        set_error(std::string("the decode stream failed: ") + cudaGetErrorString(q));
+        set_error(std::string("the decode stream failed (cudaStreamQuery after ") +
+                  std::to_string(launched_.load()) + " launched steps): " + cudaGetErrorString(q));
         return 2;
       }
       // halted, nothing more launching, the GPU idle: no further token can land

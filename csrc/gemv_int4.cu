@@ -450,7 +450,8 @@ cudaError_t dequant_int4(half* w, const uint32_t* qweight, const half* scales, i
                                                 total, k / 32, k / kGroup);
   const cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) return e;
-  return nq_fail(e, "dequant_int4: launch of grid %u x block 256 (n=%d, k=%d) failed", grid, n, k);
+  return nq_fail(e, "dequant_int4: launch of grid %u x block 256 (n=%d, k=%d) failed: %s", grid, n,
+                 k, cudaGetErrorString(e));
 }
 
 }  // namespace nanoqwen

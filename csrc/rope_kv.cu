@@ -69,9 +69,12 @@ cudaError_t rope_kv_write(half* q_out, half* k_cache, half* v_cache, const half*
     return nq_fail(cudaErrorInvalidValue,
                    "rope_kv_write: head_dim=%d must be even, n_heads=%d a multiple of "
                    "n_kv=%d >= 1, table_len=%d >= 1 (T=%d)", head_dim, n_heads, n_kv, table_len, T);
-  return launch_pdl("rope_kv_write_kernel", rope_kv_write_kernel, dim3(T), dim3(256), 0, stream,
-                    q_out, k_cache, v_cache, qkv, cos_table, sin_table, pos, page_table, table_len,
-                    n_heads, n_kv, head_dim);
+  const cudaError_t e = launch_pdl("rope_kv_write_kernel", rope_kv_write_kernel, dim3(T),
+                                   dim3(256), 0, stream, q_out, k_cache, v_cache, qkv, cos_table,
+                                   sin_table, pos, page_table, table_len, n_heads, n_kv, head_dim);
+  if (e == cudaSuccess) return e;
+  return nq_fail(e, "rope_kv_write: T=%d n_heads=%d n_kv=%d head_dim=%d table_len=%d: %s", T,
+                 n_heads, n_kv, head_dim, table_len, last_error_message());
 }
 
 }  // namespace nanoqwen

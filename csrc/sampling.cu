@@ -773,9 +773,12 @@ cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, i
   // > 48 KB of dynamic shared memory needs the attribute (common.cuh: once per process)
   static const cudaError_t attr = set_max_smem(sample_kernel, kWarpHistBytes);
   if (attr != cudaSuccess) return smem_refused(attr, "sample_token: sample_kernel", kWarpHistBytes);
-  return launch_pdl("sample_token: sample_kernel", sample_kernel, dim3(1), dim3(kSampleThreads),
-                    kWarpHistBytes, stream, out_token, work, logits, V, ctx_tokens, ctx_capacity,
-                    pos, params_f, params_i, counter);
+  const cudaError_t e = launch_pdl("sample_kernel", sample_kernel, dim3(1), dim3(kSampleThreads),
+                                   kWarpHistBytes, stream, out_token, work, logits, V, ctx_tokens,
+                                   ctx_capacity, pos, params_f, params_i, counter);
+  if (e == cudaSuccess) return e;
+  return nq_fail(e, "sample_token: V=%d ctx_capacity=%d: %s", V, ctx_capacity,
+                 last_error_message());
 }
 
 __global__ void advance_kernel(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens,
@@ -814,9 +817,12 @@ cudaError_t advance_step(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens,
                          cudaStream_t stream) {
   if (ring_size <= 0)
     return nq_fail(cudaErrorInvalidValue, "advance_step: ring_size=%d must be >= 1", ring_size);
-  return launch_pdl("advance_step: advance_kernel", advance_kernel, dim3(1), dim3(1), 0, stream,
-                    token_in, pos, ctx_tokens, ctx_capacity, counter, host_ring, ring_size, sampled,
-                    stops, halt);
+  const cudaError_t e = launch_pdl("advance_kernel", advance_kernel, dim3(1), dim3(1), 0, stream,
+                                   token_in, pos, ctx_tokens, ctx_capacity, counter, host_ring,
+                                   ring_size, sampled, stops, halt);
+  if (e == cudaSuccess) return e;
+  return nq_fail(e, "advance_step: ctx_capacity=%d ring_size=%d: %s", ctx_capacity, ring_size,
+                 last_error_message());
 }
 
 }  // namespace nanoqwen
