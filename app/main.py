@@ -33,7 +33,7 @@ from textual.message import Message
 from textual.screen import Screen
 
 from nanoqwen.engine.sampling import SamplerParams
-from nanoqwen.engine.service import EngineService, default_model_path
+from nanoqwen.engine.service import BACKENDS, MODES, EngineService, default_model_path
 
 from .chat import CHAT_ACTIONS, ChatScreen
 from .perf import ModelInfo
@@ -303,9 +303,9 @@ def main(argv: list[str] | None = None) -> int:
                                  description=f"Chat with a local Qwen2.5-Coder model. {ENTER_HINT}.")
     ap.add_argument("--model", "-m", metavar="FILE", help="a .nanoqwen model "
                     "(default: the last one used, else the bundled model)")
-    ap.add_argument("--backend", choices=["auto", "cuda", "reference"], default="auto",
+    ap.add_argument("--backend", choices=BACKENDS, default="auto",
                     help="auto: CUDA when a GPU and the built extension are there")
-    ap.add_argument("--mode", choices=["graph", "eager"], default=None,
+    ap.add_argument("--mode", choices=MODES, default=None,
                     help="decode mode to start in (default: the saved setting)")
     ap.add_argument("--threads", "-t", type=int, default=None,
                     help="CPU threads of the reference backend (default: the saved setting, "
