@@ -15,13 +15,14 @@ import torch
 
 
 def main() -> None:
-    from nanoqwen.engine.ops import _ops, quantize_int4_gpu
+    from nanoqwen.engine.ops import _ops
+    from nanoqwen.engine.quant import quantize
 
     o = _ops()
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def int4(n, k):
-        return quantize_int4_gpu(torch.randn(n, k, generator=g, device="cuda") * 0.02)
+        return quantize(torch.randn(n, k, generator=g, device="cuda") * 0.02)
 
     H, I, QKV = 3584, 18944, 4608
     qkv_w, o_w, gate_w, up_w, down_w = int4(QKV, H), int4(H, H), int4(I, H), int4(I, H), int4(H, I)

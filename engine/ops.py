@@ -111,11 +111,3 @@ def dequant_int4(qweight: torch.Tensor, scales: torch.Tensor,
         out = torch.empty(n, k, dtype=torch.float16, device=qweight.device)
     _ops().dequant_int4(out, qweight, scales)
     return out
-
-
-def quantize_int4_gpu(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """engine/quant.py's `quantize` of w on w's device (kept for benchmarks/ncu_gemv.py):
-    the same function, so the same bits as on the CPU."""
-    from .quant import quantize
-
-    return quantize(w)

@@ -143,11 +143,8 @@ class CudaBackend(Backend):
                   mode: str = "graph", **kw) -> "CudaBackend":
         """Random weights made on the GPU (no file): for benchmarks and tests. The same
         tensors as `nanoqwen convert --synthetic` writes for (config, seed) (synthetic.py)."""
-        device = kw.get("device")
-        device = torch.device(device) if device is not None else \
-            torch.device("cuda", torch.cuda.current_device())
-        return cls(config, SyntheticWeights(config, seed, device=device), max_context=max_context,
-                   mode=mode, **kw)
+        weights = SyntheticWeights(config, seed, device=kw.get("device") or "cuda")
+        return cls(config, weights, max_context=max_context, mode=mode, **kw)
 
     def _weight_bytes(self) -> int:
         from ..format import expected_tensors
