@@ -131,8 +131,8 @@ def describe_error(e: BaseException) -> tuple[str, str]:
 
 class EngineService:
     """A loaded model and its backend; one reply at a time (`submit`), `cancel` from any
-    thread. `backend`, `tokenizer` and `model_file` are engine-side objects: the app uses
-    only the methods and `info`."""
+    thread. `backend`, `tokenizer`, `model_file` and `transcript` are engine-side objects:
+    the app uses only the methods and `info`."""
 
     def __init__(self, backend, tokenizer, model_file, info: LoadedModel) -> None:
         self.backend = backend
@@ -141,6 +141,7 @@ class EngineService:
         self.info = info
         self._lock = threading.Lock()          # one submit at a time
         self._cancel = threading.Event()       # the latest submit's
+        self.transcript = None                 # session.Transcript of the cached conversation
 
     # --- loading ------------------------------------------------------------------------
     @classmethod
@@ -217,11 +218,15 @@ class EngineService:
         cancel = self._cancel = threading.Event()
 
         def events():
-            from .session import ChatSession
+            from .session import ChatSession, Transcript
 
+            if self.transcript is None:
+                self.transcript = Transcript()
+            # the session copies `history`; the transcript carries the replies' sampled ids
+            # from one submit to the next (session.py), so a next turn prefills only its news
             session = ChatSession(self.backend, self.tokenizer,
                                   system_prompt=system_prompt or None,
-                                  messages=history)  # the session copies it
+                                  messages=history, transcript=self.transcript)
             return session.generate(user_text, params, max_new_tokens, cancel=cancel,
                                     window_s=BATCH_SECONDS)
         return self._run(events)

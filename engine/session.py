@@ -1,10 +1,20 @@
 """A chat session: multi-turn history over one backend, streamed as events.
 
-Each turn renders the whole conversation with the model's chat template, keeps the longest
-common prefix of those ids with `backend.kv_tokens` (truncating the rest) and prefills only
-the new tokens. Because the prompt is always a pure function of the messages, a session that
-reused its cache produces the same tokens (greedy) as a fresh session given the same
-messages; cancellation and errors only ever shorten the cache, never desynchronise it.
+Each turn renders the whole conversation with the model's chat template, encodes it (the
+`Transcript` below), keeps the longest common prefix of those ids with `backend.kv_tokens`
+(truncating the rest) and prefills only the new tokens. The prompt ids are a pure function of
+the messages and the transcript, never of the cache: a session that reused its cache
+produces the same tokens (greedy) as a fresh backend given the same messages and transcript;
+cancellation and errors only ever shorten the cache, never desynchronise it.
+
+The transcript keeps a reply as the ids the model sampled. Re-encoding a reply's text need not
+give them back (a model may emit a split the BPE merges would not make: random weights do it
+at the first tokens, trained models now and then), and every id after the first difference
+would be prefilled again at the next turn: ~1000 tokens, tens of ms at 7B, on every turn.
+With the transcript a next turn prefills only what is new (its user message and the template
+around it), and its ids still decode to exactly the rendered conversation. A conversation the
+transcript does not continue (another chat, old turns left out, an edited message) is encoded
+from its text, as a fresh session would.
 
 Events (all frozen dataclasses), in order for one turn:
     Notice?  (only when old turns had to be left out to fit the context)
@@ -187,6 +197,57 @@ def generate_raw(backend, tokenizer, text: str, params, max_new_tokens: int,
                     cancel if cancel is not None else threading.Event(), window_s=window_s)
 
 
+class Transcript:
+    """The latest conversation's text and the ids the model saw it as (its prompts as
+    encoded, its replies as sampled), with marks where a prefix of the text is exactly the
+    decode of a prefix of the ids: the end of each turn's prompt and of each reply.
+
+    `encode(text)` continues the longest marked prefix that `text` starts with: the mark's ids
+    + the encoding of the rest (the rest starts at a template boundary, so it encodes as it
+    would inside the whole text); with no mark, the plain encoding. Owned by whoever keeps
+    the backend across sessions (the engine service): one per backend, like its cache."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.ids: list[int] = []
+        self.marks: list[tuple[int, int]] = []   # (chars, ids), increasing
+
+    def copy(self) -> Transcript:
+        t = Transcript()
+        t.text, t.ids, t.marks = self.text, list(self.ids), list(self.marks)
+        return t
+
+    def _mark_for(self, text: str) -> tuple[int, int]:
+        for chars, n in reversed(self.marks):
+            if text.startswith(self.text[:chars]):
+                return chars, n
+        return 0, 0
+
+    def encode(self, tokenizer, text: str) -> list[int]:
+        chars, n = self._mark_for(text)
+        return self.ids[:n] + tokenizer.encode(text[chars:])
+
+    def begin_turn(self, tokenizer, text: str, ids: list[int]) -> None:
+        """`ids` (from `encode(text)`) are the prompt of the turn starting now."""
+        chars, _ = self._mark_for(text)
+        self.marks = [m for m in self.marks if m[0] <= chars]
+        self.text, self.ids = text, list(ids)
+        if not self.marks or self.marks[-1] != (len(text), len(ids)):
+            self.marks.append((len(text), len(ids)))
+
+    def add_reply(self, tokenizer, reply_ids: Sequence[int]) -> None:
+        """The turn's sampled ids, stop tokens left out (the template writes its own end)."""
+        ids = [i for i in reply_ids if i not in tokenizer.stop_ids]
+        text = tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
+        if not text:
+            # ids that decode to nothing would give the prompt's text a second mark with
+            # more ids: a regenerated turn (the same prompt text) must find the prompt's
+            return
+        self.text += text
+        self.ids += ids
+        self.marks.append((len(self.text), len(self.ids)))
+
+
 MIN_REPLY_TOKENS = 16   # the least room a prompt leaves for the reply (the context policy)
 
 
@@ -200,8 +261,11 @@ class ChatSession:
 
     def __init__(self, backend, tokenizer, system_prompt: str | None = None,
                  messages: Sequence[dict] | None = None,
-                 min_reply_tokens: int = MIN_REPLY_TOKENS) -> None:
+                 min_reply_tokens: int = MIN_REPLY_TOKENS,
+                 transcript: Transcript | None = None) -> None:
         self.backend, self.tokenizer = backend, tokenizer
+        # shared by the sessions of one backend (the engine service's), else this session's
+        self.transcript = transcript if transcript is not None else Transcript()
         self.system_prompt = system_prompt
         self.min_reply_tokens = min_reply_tokens
         self.history: list[dict] = []    # user/assistant messages, oldest first
@@ -253,20 +317,21 @@ class ChatSession:
     def _turn(self, base: list[dict], user_text: str, params, max_new_tokens: int,
               cancel: threading.Event | None, window_s: float) -> Iterator[Event]:
         user = {"role": "user", "content": user_text}
-        prompt_ids, dropped = self._fit(base, user, max_new_tokens)
+        prompt_text, prompt_ids, dropped = self._fit(base, user, max_new_tokens)
         params.validate()
         if cancel is not None:
             if self._cancel.is_set():  # a cancel() that came before this turn started
                 cancel.set()
             self._cancel = cancel
-        return self._stream(base, user, prompt_ids, dropped, params, max_new_tokens,
-                            self._cancel, window_s)
+        return self._stream(base, user, prompt_text, prompt_ids, dropped, params,
+                            max_new_tokens, self._cancel, window_s)
 
-    def _stream(self, base, user, prompt_ids, dropped, params, max_new_tokens, cancel,
-                window_s):
-        # History changes only once the stream starts, so an iterator that is never started
-        # leaves the session untouched.
+    def _stream(self, base, user, prompt_text, prompt_ids, dropped, params, max_new_tokens,
+                cancel, window_s):
+        # History (and the transcript) change only once the stream starts, so an iterator
+        # that is never started leaves the session untouched.
         self.history = base + [user]
+        self.transcript.begin_turn(self.tokenizer, prompt_text, prompt_ids)
         if dropped:
             yield Notice(f"the conversation is longer than the context ({self.backend.max_context} "
                          f"tokens): the oldest {dropped} messages are left out of the prompt",
@@ -278,22 +343,28 @@ class ChatSession:
         finally:
             # Also on cancel, error or an abandoned stream: the partial reply is kept.
             self.history.append({"role": "assistant", "content": reply.text()})
+            self.transcript.add_reply(self.tokenizer, reply.ids)
             self._cancel = threading.Event()  # this turn's cancel does not outlive it
 
-    def _fit(self, base: list[dict], user: dict, max_new_tokens: int) -> tuple[list[int], int]:
-        """Prompt ids of system + base[k:] + user for the smallest k (at a turn boundary)
-        that leaves room for the reply reserve; (ids, k)."""
+    def _encode(self, messages: list[dict]) -> tuple[str, list[int]]:
+        text = self.tokenizer.render_chat(messages, add_generation_prompt=True)
+        return text, self.transcript.encode(self.tokenizer, text)
+
+    def _fit(self, base: list[dict], user: dict, max_new_tokens: int
+             ) -> tuple[str, list[int], int]:
+        """Prompt text and ids of system + base[k:] + user for the smallest k (at a turn
+        boundary) that leaves room for the reply reserve; (text, ids, k)."""
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         limit = self.backend.max_context - reply_reserve(max_new_tokens, self.min_reply_tokens)
         # turn boundaries: each user message starts a turn; never split a user from its reply
         starts = [i for i, m in enumerate(base) if m["role"] == "user" and i > 0] + [len(base)]
-        ids = self.tokenizer.encode_chat(system + base + [user])
+        text, ids = self._encode(system + base + [user])
         if len(ids) <= limit:
-            return ids, 0
+            return text, ids, 0
         for k in starts:
-            ids = self.tokenizer.encode_chat(system + base[k:] + [user])
+            text, ids = self._encode(system + base[k:] + [user])
             if len(ids) <= limit:
-                return ids, k
+                return text, ids, k
         reserve = self.backend.max_context - limit
         raise ContextFullError(
             f"the message does not fit the context: the prompt (system prompt + this message) "

@@ -101,10 +101,12 @@ def notes(app) -> list[str]:
 
 
 def greedy_reply(model_path: Path, history: list[dict], text: str, n: int,
-                 system_prompt: str | None = None) -> str:
-    """The same turn straight through the engine, no app in between."""
+                 system_prompt: str | None = None, transcript=None) -> str:
+    """The same turn straight through the engine, no app in between (`transcript`: a copy of
+    the engine service's before the turn, where the history continues its replies)."""
     eng = loader.load(model_path, backend="reference")
-    s = ChatSession(eng.backend, eng.tokenizer, system_prompt=system_prompt, messages=history)
+    s = ChatSession(eng.backend, eng.tokenizer, system_prompt=system_prompt, messages=history,
+                    transcript=transcript)
     out = "".join(e.text for e in s.generate(text, SamplerParams.greedy_params(), n)
                   if isinstance(e, TextDelta))
     eng.close()

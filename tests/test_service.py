@@ -120,14 +120,25 @@ def test_service_streams_the_engine_reply_whole(engine, tiny_model_path):
 
 
 def test_a_second_turn_reuses_the_cache_and_matches_a_fresh_session(engine, tiny_model_path):
-    history = [{"role": "user", "content": "first"}]
-    first = "".join(b.text for b in batches_of(engine.submit([], "first", GREEDY, 12)))
+    history = [{"role": "user", "content": "hello"}]
+    first = "".join(b.text for b in batches_of(engine.submit([], "hello", GREEDY, 12)))
     history.append({"role": "assistant", "content": first})
+    # the random model's reply (byte tokens, U+FFFD) does not re-encode to its sampled ids
+    reply_ids = engine.backend.kv_tokens[len(engine.tokenizer.encode_chat(history[:1])):]
+    assert first and engine.tokenizer.encode(first)[:len(reply_ids)] != reply_ids
+    cached = len(engine.backend.kv_tokens)
+    transcript = engine.transcript.copy()
     out = list(engine.submit(history, "second", GREEDY, 12))
-    assert "".join(b.text for b in batches_of(out)) == greedy_reply(tiny_model_path, history,
-                                                                    "second", 12)
+    assert "".join(b.text for b in batches_of(out)) == greedy_reply(
+        tiny_model_path, history, "second", 12, transcript=transcript)
+    # the whole first turn came from the cache, its reply as sampled (a random model's
+    # reply need not re-encode to the same ids): only the reply's last token (sampled, never
+    # forwarded) and the new message were prefilled
     s = out[-1].stats
-    assert s.n_prefilled < s.n_prompt    # the first turn's prompt came from the cache
+    assert s.n_prefilled == s.n_prompt - cached
+    assert s.n_prefilled == 1 + len(engine.tokenizer.encode("<|im_end|>\n<|im_start|>user\n"
+                                                            "second<|im_end|>\n"
+                                                            "<|im_start|>assistant\n"))
 
 
 def test_cancel_before_the_worker_starts_is_not_lost(engine):
@@ -145,9 +156,10 @@ def test_an_abandoned_submit_ends_its_turn_and_the_next_one_matches(engine, tiny
     first = next(e for e in events if isinstance(e, Batch) and e.text)
     events.close()                           # the app quit mid-reply
     history = [{"role": "user", "content": "go on"}, {"role": "assistant", "content": first.text}]
+    transcript = engine.transcript.copy()   # its reply ran past the text the app kept
     out = list(engine.submit(history, "next", GREEDY, 8))   # not blocked by the old one
-    assert "".join(b.text for b in batches_of(out)) == greedy_reply(tiny_model_path, history,
-                                                                    "next", 8)
+    assert "".join(b.text for b in batches_of(out)) == greedy_reply(
+        tiny_model_path, history, "next", 8, transcript=transcript)
 
 
 def test_a_prompt_that_cannot_fit_fails_with_the_numbers(engine):

@@ -2,7 +2,8 @@
 
 The central property: however a session got its KV cache (prefix reuse, cancellation, an
 abandoned stream, a failure), its next turn gives the same greedy tokens as a fresh session
-handed the same messages. Weights are random, so replies are gibberish; the reused and the
+(new backend, empty cache) handed the same messages and transcript (the replies' sampled ids).
+Weights are random, so replies are gibberish; the reused and the
 fresh run differ only in fp32 op order (chunked vs whole prefill), ~1e-6 on logits whose
 top-1 margins here are >1e-3, so greedy tokens must agree exactly.
 """
@@ -18,7 +19,7 @@ from nanoqwen.engine.backends.reference import ReferenceBackend
 from nanoqwen.engine.errors import ContextFullError
 from nanoqwen.engine.sampling import SamplerParams
 from nanoqwen.engine.session import (ChatSession, Done, Error, Notice, Stats, TextDelta, TokenIds,
-                                     common_prefix_len)
+                                     Transcript)
 from nanoqwen.engine.tokenizer import Tokenizer
 
 GREEDY = SamplerParams.greedy_params()
@@ -57,35 +58,68 @@ def run(events):
     return ids, text, stats, evs[-1], evs
 
 
-def fresh_turn(make, tok, messages, user, n):
-    """The same turn from scratch: a new backend, a session restored from `messages`."""
-    return run(ChatSession(make(), tok, messages=messages).generate(user, GREEDY, n))
+def fresh_turn(make, tok, messages, user, n, transcript=None):
+    """The same turn from scratch: a new backend, a session restored from `messages` (and a
+    copy of `transcript`, the sampled ids of the replies)."""
+    return run(ChatSession(make(), tok, messages=messages,
+                           transcript=transcript.copy() if transcript else None
+                           ).generate(user, GREEDY, n))
 
 
-def test_multi_turn_prefix_reuse_matches_fresh_sessions(make, tiny_tokenizer):
+def test_multi_turn_reuses_the_whole_previous_turn_and_matches_fresh_sessions(make,
+                                                                             tiny_tokenizer):
     tok = tiny_tokenizer
     be = make()
     s = ChatSession(be, tok, system_prompt=SYSTEM)
-    prev_prompt: list[int] = []
+    re_encoded_differs = []
     for turn, user in enumerate(USERS):
         cached = list(be.kv_tokens)
         before = s.messages
+        transcript = s.transcript.copy()
         be.forwarded.clear()
         ids, text, stats, done, _ = run(s.generate(user, GREEDY, 24))
-        prompt = tok.encode_chat(before + [{"role": "user", "content": user}])
-        lcp = common_prefix_len(prompt, cached)
-        # only the tokens after the reusable prefix are prefilled, then one per decode step
-        assert be.forwarded == [len(prompt) - lcp] + [1] * (len(ids) - 1)
-        assert (stats.n_prompt, stats.n_reused, stats.n_prefilled) == (len(prompt), lcp, len(prompt) - lcp)
-        # the whole previous prompt is reused; the reply itself may re-tokenize differently
-        # (random weights emit byte tokens that decode to U+FFFD), which ends the prefix early
-        assert lcp >= len(prev_prompt) and (turn == 0 or lcp > 0)
+        messages = before + [{"role": "user", "content": user}]
+        prompt = be.kv_tokens[:stats.n_prompt]
+        # the prompt ids decode to exactly the rendered conversation ...
+        assert tok.decode(prompt, skip_special_tokens=False) == tok.render_chat(messages)
+        # ... and continue the cache: the previous prompt and the reply as sampled (its last
+        # token was never forwarded) are all reused; only the new message's tokens are
+        # prefilled, then one per decode step
+        assert stats.n_reused == len(cached) and prompt[:len(cached)] == cached
+        assert be.forwarded == [len(prompt) - len(cached)] + [1] * (len(ids) - 1)
+        assert (stats.n_prompt, stats.n_prefilled) == (len(prompt), len(prompt) - len(cached))
         assert be.kv_tokens == prompt + ids[:-1]
-        f_ids, f_text, f_stats, _, _ = fresh_turn(make, tok, before, user, 24)
+        # the plain encoding of the text: random weights emit splits BPE would not make, so
+        # it would have ended the reused prefix inside the previous reply
+        re_encoded_differs.append(tok.encode_chat(messages) != prompt)
+        f_ids, f_text, f_stats, _, _ = fresh_turn(make, tok, before, user, 24, transcript)
         assert (ids, text) == (f_ids, f_text) and f_stats.n_reused == 0
         assert done == Done("length") and s.history[-1] == {"role": "assistant", "content": text}
-        prev_prompt = prompt
     assert [m["role"] for m in s.messages] == ["system"] + ["user", "assistant"] * 3
+    assert re_encoded_differs[0] is False and any(re_encoded_differs[1:])
+
+
+def test_a_session_without_the_transcript_encodes_the_text(make, tiny_tokenizer):
+    """Messages from elsewhere (a chat reopened from the store) are encoded as text, and an
+    edited reply, a regenerated turn or dropped old turns fall back to the longest prefix the
+    transcript still matches."""
+    tok = tiny_tokenizer
+    s = ChatSession(make(), tok, system_prompt=SYSTEM)
+    run(s.generate(USERS[0], GREEDY, 12))
+    before = s.messages
+    messages = before + [{"role": "user", "content": USERS[1]}]
+    _, _, stats, _, _ = fresh_turn(make, tok, before, USERS[1], 4)
+    assert stats.n_prompt == len(tok.encode_chat(messages))
+    # an edited reply: the previous prompt's ids are kept, the rest is encoded from its text
+    edited = before[:-1] + [{"role": "assistant", "content": "edited"}]
+    t = s.transcript.copy()
+    first_prompt = s.backend.kv_tokens[:len(tok.encode_chat(before[:-1]))]
+    ids = t.encode(tok, tok.render_chat(edited + [messages[-1]]))
+    assert ids[:len(first_prompt)] == first_prompt
+    assert tok.decode(ids, skip_special_tokens=False) == tok.render_chat(edited + [messages[-1]])
+    # another conversation altogether: its plain encoding
+    other = [{"role": "user", "content": "hello"}]
+    assert t.encode(tok, tok.render_chat(other)) == tok.encode_chat(other)
 
 
 def test_cancel_via_event_after_k_tokens(make, tiny_tokenizer):
@@ -148,10 +182,29 @@ def test_unstarted_stream_changes_nothing(make, tiny_tokenizer):
     assert s.history == []
 
 
+def test_a_reply_that_decodes_to_nothing_leaves_the_prompt_as_it_was(tiny_tokenizer):
+    # ids past the tokenizer's vocabulary (a model's embedding may have more rows) decode to
+    # nothing: marking them would give the prompt's text a second, longer id sequence, and a
+    # regenerated turn (the same text) would carry the old reply's ids into its prompt
+    tok = tiny_tokenizer
+    t = Transcript()
+    text = tok.render_chat([{"role": "user", "content": "hi"}])
+    ids = t.encode(tok, text)
+    assert ids == tok.encode(text)
+    t.begin_turn(tok, text, ids)
+    blank = list(range(tok.vocab_size, tok.vocab_size + 3))
+    assert tok.decode(blank, skip_special_tokens=False) == ""
+    t.add_reply(tok, blank)
+    assert t.encode(tok, text) == ids
+    t.add_reply(tok, tok.encode("ok"))
+    assert t.encode(tok, text) == ids and t.encode(tok, text + "ok") == ids + tok.encode("ok")
+
+
 def _check_next_turn_matches_fresh(make, s):
     before = s.messages
+    transcript = s.transcript.copy()
     ids, text, _, done, _ = run(s.generate(USERS[2], GREEDY, 16))
-    f_ids, f_text, _, _, _ = fresh_turn(make, s.tokenizer, before, USERS[2], 16)
+    f_ids, f_text, _, _, _ = fresh_turn(make, s.tokenizer, before, USERS[2], 16, transcript)
     assert (ids, text) == (f_ids, f_text) and done == Done("length")
 
 
