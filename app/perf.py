@@ -77,6 +77,8 @@ class PerfPanel(Vertical):
         self._shown: dict[str, str] = {}    # row id -> the markup it shows
         self._drawn_at = -1e9               # time.monotonic() of the latest redraw
         self._redraw_timer = None           # a pending throttled redraw
+        self._held = False                  # no redraw until release() (hold)
+        self._pending = False               # a redraw was asked for while held
 
     def compose(self) -> ComposeResult:
         yield Static("", id="perf-line")
@@ -115,6 +117,18 @@ class PerfPanel(Vertical):
     def set_context(self, kv_len: int) -> None:
         self.kv_len = kv_len
         self._refresh()
+
+    def hold(self) -> None:
+        """Draw nothing until `release()`; what was asked for meanwhile is drawn then. The
+        chat holds the panel until its first text frame: a panel redraw in that frame would
+        widen the screen region the frame renders from the message column to the screen."""
+        self._held = True
+
+    def release(self) -> None:
+        self._held = False
+        if self._pending:
+            self._pending = False
+            self._refresh()
 
     def start_reply(self, t0: float | None = None) -> None:
         """A new reply was asked for at `t0` (the UI clock; now if None)."""
@@ -217,6 +231,9 @@ class PerfPanel(Vertical):
         if self._redraw_timer is not None:
             self._redraw_timer.stop()
             self._redraw_timer = None
+        if self._held:
+            self._pending = True
+            return
         if not self.is_mounted:
             return
         self._drawn_at = time.monotonic()

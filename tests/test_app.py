@@ -114,6 +114,56 @@ def greedy_reply(model_path: Path, history: list[dict], text: str, n: int,
 
 
 # --- streaming ---------------------------------------------------------------------------
+@aio
+async def test_the_first_texts_frame_renders_the_message_column_alone(dirs, tiny_model_path,
+                                                                      monkeypatch):
+    """A frame renders the screen region bounding everything that changed since the last
+    one. From Enter to the first text no frame is made (_FrameHold), so what the turn changes
+    outside the message column (the perf panel's figures, the new chat's title) waits for
+    the frame after: the first text's frame covers the chat column alone, then the panel
+    and the title follow."""
+    from textual._compositor import Compositor
+    from textual.geometry import Region
+    from nanoqwen.app import chat
+
+    monkeypatch.setattr(chat, "FIRST_FRAME_HOLD", 3600.0)   # the text ends the hold, not time
+    frames = []   # (region rendered, the reply's text then, the title then)
+    orig = Compositor.render_update
+
+    def render_update(self, full=False, screen_stack=None, simplify=False):
+        dirty = list(self._dirty_regions)
+        if full or self.size.region in self._dirty_regions or not dirty:
+            crop = self.size.region if (full or dirty) else None
+        else:
+            crop = Region.from_union(dirty).intersection(self.size.region)
+        r = getattr(app, "chat", None) and app.chat.last_reply
+        reply = r.widget if r else None
+        frames.append((crop, reply.source if reply is not None else None, app.title))
+        return orig(self, full, screen_stack, simplify)
+
+    monkeypatch.setattr(Compositor, "render_update", render_update)
+    use_settings(max_new_tokens=12)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        await pilot.pause(0.2)
+        column = app.chat.query_one("#chat-col").region
+        app.chat.query_one("#prompt", PromptInput).text = "hello"
+        await pilot.pause(0.1)                                 # its frame
+        frames.clear()
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: any(src for _, src, _ in frames), 30, "the first text")
+        first = next(i for i, (_, src, _) in enumerate(frames) if src)
+        crop, text, title = frames[first]
+        assert all(c is None for c, _, _ in frames[:first])   # no frame before it
+        assert column.contains_region(crop), (crop, column)
+        assert title == "nanoqwen-chat"                        # the new title: next frame
+        await reply_done(app, pilot)
+        assert app.title == "nanoqwen-chat — hello"
+        assert app.chat.perf.seen_ttft_ms is not None
+        assert "seen" in str(app.chat.query_one("#perf-ttft").render())
+
+
 @pytest.mark.slow
 @aio
 async def test_prompt_streams_a_reply_that_matches_the_engine(dirs, tiny_model_path):
