@@ -24,6 +24,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from textual.widgets import Footer, Header, Label, ProgressBar
 
 from nanoqwen.engine.service import Batch, Failed, Finished, Note, ServiceEvent
 
+from . import heap
 from .perf import ModelInfo, PerfPanel
 from .settings import PERF_PANEL
 from .screens import ChatsScreen, ExportScreen
@@ -92,7 +94,8 @@ class _FrameHold:
 
     def __init__(self, app, stream, after=()) -> None:
         self._app = app
-        self._after = list(after)
+        # no garbage collection until the frame is out (heap.py), then the caller's callbacks
+        self._after = list(after) + [partial(heap.resume, heap.pause())]
         self._batch = app.batch_update()
         self._batch.__enter__()
         self._held = True
@@ -257,10 +260,16 @@ class ChatScreen(Screen):
             self.app.title = f"nanoqwen-chat — {title}"
             self._update_context()
 
+    async def _collect_after(self, removal) -> None:
+        """The old chat's widgets are garbage once removed: collect them while the person
+        reads or types, not at their next Enter (heap.py)."""
+        await removal
+        heap.collect_soon(self.app)
+
     def open_chat(self, chat_id: int | None) -> None:
         """Show a stored chat (None: an empty new chat)."""
         box = self.query_one("#messages", VerticalScroll)
-        box.remove_children()
+        self.call_later(self._collect_after, box.remove_children())
         self.chat_id = chat_id
         about = self.app.store.chat(chat_id) if chat_id is not None else None
         self.chat_system = about.system_prompt if about else None
@@ -415,6 +424,7 @@ class ChatScreen(Screen):
             if error:
                 stats = {"error": error, **r.made}   # the reason stays with the reply
             store.update_message(r.msg_id, r.text, finish=finish, stats=stats)
+            heap.collect_soon(self.app)   # while nobody waits (heap.py)
             await r.stream.stop()
             r.widget.set_finish(finish, error=error)
             if isinstance(ev, Failed):

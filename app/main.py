@@ -35,6 +35,7 @@ from textual.screen import Screen
 from nanoqwen.engine.sampling import SamplerParams
 from nanoqwen.engine.service import BACKENDS, MODES, EngineService, default_model_path
 
+from . import heap
 from .chat import CHAT_ACTIONS, ChatScreen
 from .perf import ModelInfo
 from .screens import HelpScreen, ModelScreen, SettingsScreen
@@ -185,6 +186,7 @@ class NanoqwenApp(App[None]):
         self._save_settings()
         self.chat.model_ready(ModelInfo(info.backend, info.device, info.name, info.modes,
                                         m.engine.mode, info.max_context, info.fallback))
+        self.call_after_refresh(heap.settle)   # the loaded model and the app: frozen (heap.py)
         msg = f"{info.name} on the {info.backend} backend ({info.device})"
         if info.fallback:
             msg += f": {info.fallback}"
@@ -290,6 +292,7 @@ class NanoqwenApp(App[None]):
         old = getattr(self, "_old_switch_interval", None)
         if old is not None:
             sys.setswitchinterval(old)
+        heap.restore()   # a frame hold cut short by the exit leaves collections off
         # Quitting mid-reply is a stop: the text is on disk already; record how it ended.
         reply = getattr(self, "chat", None) and self.chat.reply
         if reply:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import json
 import os
 import signal
@@ -118,7 +119,7 @@ def greedy_reply(model_path: Path, history: list[dict], text: str, n: int,
 async def test_the_first_texts_frame_renders_the_message_column_alone(dirs, tiny_model_path,
                                                                       monkeypatch):
     """A frame renders the screen region bounding everything that changed since the last
-    one. From Enter to the first text no frame is made (_FrameHold), so what the turn changes
+    one (the heap is frozen once the model is loaded, and thawed when the app ends). From Enter to the first text no frame is made (_FrameHold), so what the turn changes
     outside the message column (the perf panel's figures, the new chat's title) waits for
     the frame after: the first text's frame covers the chat column alone, then the panel
     and the title follow."""
@@ -146,6 +147,8 @@ async def test_the_first_texts_frame_renders_the_message_column_alone(dirs, tiny
     app = NanoqwenApp(model=tiny_model_path)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(app, pilot)
+        # what is alive once the model is loaded is frozen (app/heap.py)
+        await wait_for(pilot, lambda: gc.get_freeze_count() > 0, 10, "the heap to settle")
         await pilot.pause(0.2)
         column = app.chat.query_one("#chat-col").region
         app.chat.query_one("#prompt", PromptInput).text = "hello"
@@ -162,6 +165,7 @@ async def test_the_first_texts_frame_renders_the_message_column_alone(dirs, tiny
         assert app.title == "nanoqwen-chat — hello"
         assert app.chat.perf.seen_ttft_ms is not None
         assert "seen" in str(app.chat.query_one("#perf-ttft").render())
+    assert gc.isenabled() and gc.get_freeze_count() == 0     # Python's own policy again
 
 
 @pytest.mark.slow

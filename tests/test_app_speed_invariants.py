@@ -15,6 +15,7 @@ behaviour (no clock: benchmarks/bench_app.py measures the speed).
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import threading
 
@@ -326,6 +327,7 @@ def test_no_frame_is_made_between_enter_and_the_first_text_or_the_deadline(monke
                 for _ in range(5):
                     await pilot.pause()
                 assert app._batch_count == 1 and frames == []  # held: nothing shown yet
+                assert not gc.isenabled()                     # no collection either (heap.py)
                 await stream.write("First words")
                 await stream.first_append.wait()
                 assert app._batch_count == 0                  # released by the text
@@ -334,6 +336,11 @@ def test_no_frame_is_made_between_enter_and_the_first_text_or_the_deadline(monke
                     break
                 await asyncio.sleep(0.01)
             assert app._batch_count == 0
+            for _ in range(200):                              # after the frame: back on
+                if gc.isenabled():
+                    break
+                await asyncio.sleep(0.01)
+            assert gc.isenabled()
             shown = "\n".join(frames[0])
             assert "the question" in shown
             assert ("First words" in shown) == text_comes
