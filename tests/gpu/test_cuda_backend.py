@@ -94,18 +94,22 @@ def test_teacher_forced_tied_hd64(tied):
     check_teacher_forced(*tied)
 
 
-def test_teacher_forced_prefix_chunks(untied):
-    """A follow-up prefill starts after the cached prefix (masking by absolute position)."""
-    ref, cuda = untied
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, ref.config.vocab_size, (120,), generator=g).tolist()
+@pytest.mark.parametrize("which", ["untied", "tied"])
+@pytest.mark.parametrize("cuts", [(50, 51, 120), (17, 18, 118), (99, 140, 141), (16, 17, 33)])
+def test_teacher_forced_prefix_chunks(request, which, cuts):
+    """A follow-up prefill starts after the cached prefix (the causal mask aligned to the
+    bottom right: query i of the new block sees the prefix and the block's first i+1 keys):
+    fewer or more new tokens than cached ones, page-aligned or not, head_dim 128 and 64."""
+    ref, cuda = request.getfixturevalue(which)
+    g = torch.Generator().manual_seed(3 + cuts[0])
+    tokens = torch.randint(0, ref.config.vocab_size, (cuts[-1],), generator=g).tolist()
     for be in (ref, cuda):
         be.truncate(0)
     outs = []
     for be in (ref, cuda):
-        be.forward(tokens[:50])
-        be.forward(tokens[50:51])
-        outs.append(be.forward(tokens[51:120]))
+        be.forward(tokens[:cuts[0]])
+        be.forward(tokens[cuts[0]:cuts[1]])
+        outs.append(be.forward(tokens[cuts[1]:cuts[2]]))
     err = float((outs[1] - outs[0]).norm() / outs[0].norm())
     assert err < 1e-2, err  # same budget as the teacher-forced test
 
