@@ -72,6 +72,10 @@ def ratio(a, b):
 
 
 def git_commit() -> str:
+    # The device's copy of the tree keeps the commit it was first synced at (its `git` says
+    # "<that>-dirty"): the caller names the tree's commit (benchmarks/verify_app_gpu.sh).
+    if os.environ.get("NANOQWEN_COMMIT"):
+        return os.environ["NANOQWEN_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                              text=True, check=True).stdout.strip()

@@ -4,10 +4,11 @@
 # (benchmarks/bench_prefill_lengths.py), then a real 7B-shaped .nanoqwen file
 # (random weights, the real Qwen2 tokenizer from .tok/tokenizer.json) and benchmarks/bench_app.py
 # in graph and eager mode. Logs and JSON under $OUT.
-# usage (from the checkout, carry .whl and .tok):
-#   NANOQWEN_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/verify_app_gpu.sh
+# usage (from the checkout, carry .whl and .tok), the commit named here, where it is known:
+#   NANOQWEN_COMMIT=<git rev-parse --short HEAD, run on this side> bash benchmarks/verify_app_gpu.sh
+# (on the device, `git rev-parse` gives the commit its copy was first synced at)
 set -o pipefail
-export PYTHONUNBUFFERED=1 MAX_JOBS=16
+export PYTHONUNBUFFERED=1 MAX_JOBS=16 NANOQWEN_COMMIT
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 S=$(date +%s)
 t() { echo "[$(( $(date +%s) - S ))s] == $*"; }
