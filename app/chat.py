@@ -43,7 +43,7 @@ from .perf import ModelInfo, PerfPanel
 from .settings import PERF_PANEL
 from .screens import ChatsScreen, ExportScreen
 from .widgets import (CPU_ENGINE_UI_SHARE, ENTER_HINT, AssistantMessage, CodeFence,
-                      MessageList, PromptInput, UserMessage)
+                      EarlierMessages, MessageList, PromptInput, UserMessage)
 
 # (binding, description in help/palette); the same list builds BINDINGS, the help screen
 # and the command palette, so none can drift from the others.
@@ -69,6 +69,17 @@ PANEL_WIDTH = 36
 CHAT_MIN_COLUMNS = 40
 
 COPY_CYCLE_S = 5.0   # a second F2 within this many seconds copies the block before
+
+# The most messages the list mounts: older ones wait behind an EarlierMessages note and come
+# EARLIER_BATCH at a time (page up, the wheel at the top, a click on the note). Every new
+# message (and every block a streamed reply mounts) makes Textual reflow the whole screen,
+# every widget of every mounted message. Measured on the 2-core CPU with no engine work (a
+# message mounted, the frame after it; session 9, RESULTS.md): 20-25 ms with 10 exchanges
+# (252 widgets), 36-44 ms with 40 (882), so ~0.6 ms more per exchange, without end; with the
+# window, 40 exchanges cost what 10 do (16-24 ms). A reply's end trims a list grown past
+# CHAT_WINDOW + EARLIER_BATCH back to CHAT_WINDOW when the person is at the bottom.
+CHAT_WINDOW = 20
+EARLIER_BATCH = 20
 
 # From Enter until the reply's first text is in its widget, or this many seconds, the screen
 # makes no frame (_FrameHold): the new messages and the first text then go out in one frame.
@@ -166,6 +177,7 @@ class ChatScreen(Screen):
         self.reply: _Streaming | None = None       # the reply streaming now
         self.last_reply: _Streaming | None = None  # the latest one, streaming or not
         self._gen = 0
+        self._earlier = 0   # the open chat's oldest messages not mounted (CHAT_WINDOW)
         self._copied = (float("-inf"), 0, 0)   # (when, which block, of how many): F2 cycles
 
     # --- layout ------------------------------------------------------------------------
@@ -266,23 +278,85 @@ class ChatScreen(Screen):
         await removal
         heap.collect_soon(self.app)
 
+    @staticmethod
+    def _message_widgets(stored) -> list:
+        widgets = []
+        for m in stored:
+            if m.role == "user":
+                widgets.append(UserMessage(m.content, m.id))
+            elif m.role == "assistant":
+                widgets.append(AssistantMessage(m.content, m.id, m.finish,
+                                                (m.stats or {}).get("error")))
+        return widgets
+
+    def _mounted_messages(self) -> list:
+        return list(self.query_one("#messages").query_children(".message"))
+
+    def _set_earlier(self, n: int) -> None:
+        """The note over the list says `n` messages are not mounted (none: no note)."""
+        self._earlier = n
+        box = self.query_one("#messages", VerticalScroll)
+        notes = box.query_children(EarlierMessages)
+        if n and notes:
+            notes.first().set_count(n)
+        elif n:
+            box.mount(EarlierMessages(n), before=0)
+        else:
+            notes.remove()
+
+    async def show_earlier(self) -> None:
+        """Mount the EARLIER_BATCH messages before the first one mounted, the view kept on
+        what it showed."""
+        if not self._earlier or self.chat_id is None:
+            return
+        stored = [m for m in self.app.store.messages(self.chat_id)
+                  if m.role in ("user", "assistant")]
+        end = self._earlier
+        start = max(0, end - EARLIER_BATCH)
+        box = self.query_one("#messages", VerticalScroll)
+        mounted = self._mounted_messages()
+        widgets = self._message_widgets(stored[start:end])
+        if mounted:
+            await box.mount_all(widgets, before=mounted[0])
+        else:
+            await box.mount_all(widgets)
+        self._set_earlier(start)
+        if mounted:   # what was at the top stays there
+            self.call_after_refresh(box.scroll_to_widget, mounted[0], animate=False, top=True)
+
+    @on(MessageList.AtTop)
+    @on(EarlierMessages.Show)
+    async def _show_earlier(self, event) -> None:
+        event.stop()
+        await self.show_earlier()
+
+    def _trim(self) -> None:
+        """A list grown past CHAT_WINDOW + EARLIER_BATCH during the chat goes back to the
+        newest CHAT_WINDOW messages, when the person is at the bottom (not reading old ones)."""
+        box = self.query_one("#messages", VerticalScroll)
+        mounted = self._mounted_messages()
+        excess = len(mounted) - CHAT_WINDOW
+        if len(mounted) <= CHAT_WINDOW + EARLIER_BATCH or box.scroll_y < box.max_scroll_y - 1:
+            return
+        for w in mounted[:excess]:
+            w.remove()
+        self._set_earlier(self._earlier + excess)
+
     def open_chat(self, chat_id: int | None) -> None:
-        """Show a stored chat (None: an empty new chat)."""
+        """Show a stored chat (None: an empty new chat), its newest CHAT_WINDOW messages."""
         box = self.query_one("#messages", VerticalScroll)
         self.call_later(self._collect_after, box.remove_children())
         self.chat_id = chat_id
+        self._earlier = 0
         about = self.app.store.chat(chat_id) if chat_id is not None else None
         self.chat_system = about.system_prompt if about else None
         stored = self.app.store.messages(chat_id) if chat_id is not None else []
         if chat_id is not None:
-            widgets = []
-            for m in stored:
-                if m.role == "user":
-                    widgets.append(UserMessage(m.content, m.id))
-                elif m.role == "assistant":
-                    widgets.append(AssistantMessage(m.content, m.id, m.finish,
-                                                    (m.stats or {}).get("error")))
-            box.mount_all(widgets)
+            shown = [m for m in stored if m.role in ("user", "assistant")]
+            start = max(0, len(shown) - CHAT_WINDOW)
+            self._earlier = start
+            box.mount_all(([EarlierMessages(start)] if start else [])
+                          + self._message_widgets(shown[start:]))
             self.app.title = f"nanoqwen-chat — {self.app.store.chat_title(chat_id)}"
         else:
             self.app.title = "nanoqwen-chat"
@@ -303,6 +377,9 @@ class ChatScreen(Screen):
     @on(PromptInput.ScrollChat)
     def _scroll_chat(self, event: PromptInput.ScrollChat) -> None:
         box = self.query_one("#messages", VerticalScroll)
+        if event.key in ("pageup", "home") and box.scroll_y <= 0 and self._earlier:
+            self.call_later(self.show_earlier)   # at the top already: the earlier messages
+            return
         {"pageup": box.scroll_page_up, "pagedown": box.scroll_page_down,
          "home": box.scroll_home, "end": box.scroll_end}[event.key](animate=False)
 
@@ -424,8 +501,9 @@ class ChatScreen(Screen):
             if error:
                 stats = {"error": error, **r.made}   # the reason stays with the reply
             store.update_message(r.msg_id, r.text, finish=finish, stats=stats)
-            heap.collect_soon(self.app)   # while nobody waits (heap.py)
             await r.stream.stop()
+            self._trim()
+            heap.collect_soon(self.app)   # while nobody waits (heap.py)
             r.widget.set_finish(finish, error=error)
             if isinstance(ev, Failed):
                 title = {"oom": "Out of memory", "context": "Context full"}.get(ev.kind,

@@ -155,6 +155,35 @@ class OnePassLayout:
 class MessageList(OnePassLayout, VerticalScroll):
     """The chat's scrolling list of messages."""
 
+    class AtTop(Message):
+        """The wheel turned up with the list already at its top (earlier messages wait)."""
+
+    def on_mouse_scroll_up(self, event: events.MouseScrollUp) -> None:
+        if self.scroll_y <= 0:
+            self.post_message(self.AtTop())
+
+
+class EarlierMessages(OnePassLayout, Static):
+    """First in the list when the chat's oldest messages are not mounted (chat.CHAT_WINDOW):
+    how many, and how to show them. A click shows the next batch."""
+
+    class Show(Message):
+        pass
+
+    def __init__(self, n: int) -> None:
+        super().__init__(self.describe(n), classes="earlier")
+
+    @staticmethod
+    def describe(n: int) -> str:
+        return (f"▲ {n} earlier message{'s' if n != 1 else ''}: page up or the wheel at the top "
+                "shows them (ctrl+o, Chats, searches them all)")
+
+    def set_count(self, n: int) -> None:
+        self.update(self.describe(n))
+
+    def on_click(self) -> None:
+        self.post_message(self.Show())
+
 
 class UserMessage(OnePassLayout, Static):
     def __init__(self, text: str, msg_id: int | None = None) -> None:

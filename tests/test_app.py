@@ -784,6 +784,74 @@ async def test_regenerate_replaces_the_last_reply(dirs, tiny_model_path):
         assert len(app.chat.query(AssistantMessage)) == 1
 
 
+def mounted_ids(app) -> list[int]:
+    return [w.msg_id for w in app.chat.query_one("#messages").query_children(".message")]
+
+
+@aio
+async def test_a_long_chat_mounts_its_newest_messages_and_shows_earlier_ones_on_request(
+        dirs, tiny_model_path):
+    """Every mount reflows every mounted widget, so a long chat mounts its newest
+    CHAT_WINDOW messages, a note says how many wait, and page up at the top (or the wheel
+    there, or a click on the note) mounts EARLIER_BATCH more above, in order, the view kept
+    on what it showed; a reply's end trims a list grown past the window plus a batch."""
+    from nanoqwen.app import chat as chat_mod
+    from nanoqwen.app.widgets import EarlierMessages
+
+    win, batch = chat_mod.CHAT_WINDOW, chat_mod.EARLIER_BATCH
+    use_settings(max_new_tokens=4)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        store = app.store
+        cid = store.new_chat("long one", "m", None)
+        ids = []
+        for i in range((win + batch) // 2 + 4):   # the window, a full batch, 8 more
+            ids.append(store.add_message(cid, "user", f"question {i}"))
+            ids.append(store.add_message(cid, "assistant", f"answer {i}", finish="stop"))
+        n = len(ids)
+        assert win + batch < n < win + 2 * batch
+        app.chat.open_chat(cid)
+        await pilot.pause(0.2)
+        assert mounted_ids(app) == ids[-win:]
+        note = app.chat.query_one(EarlierMessages)
+        assert f"{n - win} earlier messages" in str(note.render())
+        prompt = app.chat.query_one("#prompt", PromptInput)
+        prompt.focus()
+        await pilot.press("home")               # scrolls to the top first ...
+        await pilot.pause(0.1)
+        assert mounted_ids(app) == ids[-win:]
+        top = app.chat.query_one("#messages").query_children(".message").first()
+        await pilot.press("home")               # ... at the top: the batch before
+        await wait_for(pilot, lambda: len(mounted_ids(app)) == win + batch, 5, "a batch")
+        assert mounted_ids(app) == ids[-(win + batch):]
+        assert f"{n - win - batch} earlier messages" in str(note.render())
+        await pilot.pause(0.1)
+        box = app.chat.query_one("#messages")
+        assert box.scroll_y == pytest.approx(top.virtual_region.y - box.styles.padding.top,
+                                             abs=2)   # the view stayed on what it showed
+        await pilot.press("home")               # to the top, where the note is
+        await pilot.pause(0.1)
+        assert len(mounted_ids(app)) == win + batch
+        await pilot.click(EarlierMessages)      # the rest (fewer than a batch)
+        await wait_for(pilot, lambda: len(mounted_ids(app)) == n, 5, "the rest")
+        assert mounted_ids(app) == ids and not app.chat.query(EarlierMessages)
+        # a reply at the bottom of a list past window + batch trims it back to the window
+        prompt.focus()
+        await pilot.press("end")
+        prompt.text = "one more"                # (send()'s count of replies would see the trim)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(store.messages(cid)) == n + 2, 10, "the reply row")
+        await reply_done(app, pilot)
+        await pilot.pause(0.2)
+        all_ids = [m.id for m in store.messages(cid)]
+        assert mounted_ids(app) == all_ids[-win:]
+        assert f"{len(all_ids) - win} earlier messages" in str(
+            app.chat.query_one(EarlierMessages).render())
+        # the engine still got the whole conversation (the window is the screen's only)
+        assert len(all_ids) == n + 2
+
+
 @aio
 async def test_new_chat_and_reopen_a_past_one(dirs, tiny_model_path):
     use_settings(max_new_tokens=6)
