@@ -267,7 +267,8 @@ class NanoqwenApp(App[None]):
     def key_bindings(self) -> list[tuple[str, str]]:
         rows = [("enter", "Send the message"), ("shift+enter, ctrl+j", "New line in the prompt"),
                 ("up, down", "Earlier prompts (on the prompt's first / last line)"),
-                ("pageup, pagedown", "Scroll the conversation (home, end: in an empty prompt)")]
+                ("pageup, pagedown", "Scroll the conversation (home, end: in an empty prompt)"),
+                ("pageup at the top", "Earlier messages of a long chat")]
         rows += [(key, desc) for key, _, _, desc, _ in CHAT_ACTIONS]
         rows += [("click a code block", "Copy it"), ("ctrl+p", "Command palette"),
                  ("f1", "This help"), ("ctrl+q", "Quit")]
