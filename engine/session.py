@@ -27,9 +27,14 @@ A failure inside the backend is reported as Error(message) followed by Done("err
 Context policy: when the conversation does not fit (prompt + a reserve of
 min(max_new_tokens, min_reply_tokens) reply tokens > max_context), the oldest turns (a user
 message with the replies that follow it) are left out of the prompt, the system prompt
-always kept, until it fits; a Notice says how many. `messages` keeps the whole
-conversation. If the system prompt + the new message alone do not fit, ContextFullError
-is raised (with the numbers) before anything is changed.
+always kept; a Notice says how many. A turn that continues the previous one keeps its cut
+while the prompt fits, so it still continues the cache; a new cut leaves out turns until a
+quarter of the context is free for the turns to come (or, when no cut does, until it fits).
+Cutting afresh at every turn would change the prompt from its start each time, and a chat at
+the context's end would prefill its whole window on every turn (~2000 tokens with the
+bundled model on the CPU). `messages` keeps the whole conversation. If the system prompt +
+the new message alone do not fit, ContextFullError is raised (with the numbers) before
+anything is changed.
 """
 
 from __future__ import annotations
@@ -211,11 +216,17 @@ class Transcript:
         self.text = ""
         self.ids: list[int] = []
         self.marks: list[tuple[int, int]] = []   # (chars, ids), increasing
+        self.dropped = 0    # messages the latest turn's prompt left out (the context policy)
 
     def copy(self) -> Transcript:
         t = Transcript()
-        t.text, t.ids, t.marks = self.text, list(self.ids), list(self.marks)
+        t.text, t.ids, t.marks, t.dropped = self.text, list(self.ids), list(self.marks), \
+            self.dropped
         return t
+
+    def continues(self, text: str) -> bool:
+        """Does `text` start with a marked prefix (a previous prompt or reply)?"""
+        return self._mark_for(text)[0] > 0
 
     def _mark_for(self, text: str) -> tuple[int, int]:
         for chars, n in reversed(self.marks):
@@ -227,8 +238,10 @@ class Transcript:
         chars, n = self._mark_for(text)
         return self.ids[:n] + tokenizer.encode(text[chars:])
 
-    def begin_turn(self, tokenizer, text: str, ids: list[int]) -> None:
-        """`ids` (from `encode(text)`) are the prompt of the turn starting now."""
+    def begin_turn(self, tokenizer, text: str, ids: list[int], dropped: int = 0) -> None:
+        """`ids` (from `encode(text)`) are the prompt of the turn starting now, which left
+        out the conversation's first `dropped` messages."""
+        self.dropped = dropped
         chars, _ = self._mark_for(text)
         self.marks = [m for m in self.marks if m[0] <= chars]
         self.text, self.ids = text, list(ids)
@@ -331,7 +344,7 @@ class ChatSession:
         # History (and the transcript) change only once the stream starts, so an iterator
         # that is never started leaves the session untouched.
         self.history = base + [user]
-        self.transcript.begin_turn(self.tokenizer, prompt_text, prompt_ids)
+        self.transcript.begin_turn(self.tokenizer, prompt_text, prompt_ids, dropped)
         if dropped:
             yield Notice(f"the conversation is longer than the context ({self.backend.max_context} "
                          f"tokens): the oldest {dropped} messages are left out of the prompt",
@@ -361,10 +374,23 @@ class ChatSession:
         text, ids = self._encode(system + base + [user])
         if len(ids) <= limit:
             return text, ids, 0
+        # the previous turn's cut, while this turn continues it and fits (the module doc)
+        k = self.transcript.dropped
+        if k in starts:
+            text, ids = self._encode(system + base[k:] + [user])
+            if len(ids) <= limit and self.transcript.continues(text):
+                return text, ids, k
+        # a new cut: a quarter of the context free after it, else the least that fits
+        room = limit - self.backend.max_context // 4
+        fits = None
         for k in starts:
             text, ids = self._encode(system + base[k:] + [user])
-            if len(ids) <= limit:
+            if len(ids) <= room:
                 return text, ids, k
+            if fits is None and len(ids) <= limit:
+                fits = text, ids, k
+        if fits is not None:
+            return fits
         reserve = self.backend.max_context - limit
         raise ContextFullError(
             f"the message does not fit the context: the prompt (system prompt + this message) "

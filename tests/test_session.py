@@ -289,12 +289,44 @@ def test_long_conversation_drops_oldest_turns(make, tiny_tokenizer):
     assert len(tok.encode_chat(full)) + 8 > 128                  # it really did not fit
     kept = full[:1] + full[1 + k:]                               # system prompt kept
     assert stats.n_prompt == len(tok.encode_chat(kept)) <= 128 - 8
-    assert len(tok.encode_chat(full[:1] + full[1 + k - 2:])) + 8 > 128  # minimal drop
+    # a new cut leaves a quarter of the context free, with as few turns left out as that
+    # takes (or, when no cut does, as few as fit)
+    less = len(tok.encode_chat(full[:1] + full[1 + k - 2:]))
+    if stats.n_prompt <= 128 - 8 - 128 // 4:
+        assert less > 128 - 8 - 128 // 4
+    else:
+        assert less + 8 > 128
     assert s.messages[:len(before)] == before                    # history keeps everything
     # a fresh session applies the same policy to the same messages
     f_ids, *_ = run(ChatSession(make(max_context=128), tok, messages=before,
                                 min_reply_tokens=8).generate(user, GREEDY, 24))
     assert f_ids == ids
+
+
+def test_a_chat_at_the_context_end_keeps_its_cut_and_its_cache(make, tiny_tokenizer):
+    """Once old turns are left out, the next turns keep that cut while they fit, so each
+    reuses everything cached (only its own message is prefilled); a new cut frees a quarter
+    of the context. Cutting afresh each turn would change the prompt from its start: the
+    whole window prefilled on every turn."""
+    tok = tiny_tokenizer
+    ctx, reserve = 256, 8
+    s = ChatSession(make(max_context=ctx), tok, system_prompt=SYSTEM, min_reply_tokens=reserve)
+    turns = []
+    for i in range(14):
+        cached = len(s.backend.kv_tokens)
+        _, _, stats, done, evs = run(s.generate(f"tell me more about item {i}", GREEDY, 12))
+        notice = next((e for e in evs if isinstance(e, Notice)), None)
+        turns.append((notice.dropped_messages if notice else 0, stats, cached))
+        assert stats.n_prompt <= ctx - reserve
+    kept = new = 0
+    for (k0, _, _), (k1, st, cached) in zip(turns, turns[1:]):
+        if k1 and k1 == k0:        # the cut kept: the cache continued
+            kept += 1
+            assert st.n_reused == cached and st.n_prefilled == st.n_prompt - cached
+        elif k1:                   # a new cut: a quarter free (these prompts are short)
+            new += 1
+            assert st.n_prompt <= ctx - reserve - ctx // 4
+    assert new >= 1 and kept >= 2, turns
 
 
 def test_message_alone_too_long_raises_with_the_numbers(make, tiny_tokenizer):
