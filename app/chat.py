@@ -178,6 +178,7 @@ class ChatScreen(Screen):
         self.last_reply: _Streaming | None = None  # the latest one, streaming or not
         self._gen = 0
         self._earlier = 0   # the open chat's oldest messages not mounted (CHAT_WINDOW)
+        self._showing = False   # show_earlier is mounting a batch
         self._copied = (float("-inf"), 0, 0)   # (when, which block, of how many): F2 cycles
 
     # --- layout ------------------------------------------------------------------------
@@ -307,8 +308,15 @@ class ChatScreen(Screen):
     async def show_earlier(self) -> None:
         """Mount the EARLIER_BATCH messages before the first one mounted, the view kept on
         what it showed."""
-        if not self._earlier or self.chat_id is None:
-            return
+        if not self._earlier or self.chat_id is None or self._showing:
+            return   # (a key repeated while a batch mounts must not mount it twice)
+        self._showing = True
+        try:
+            await self._mount_earlier()
+        finally:
+            self._showing = False
+
+    async def _mount_earlier(self) -> None:
         stored = [m for m in self.app.store.messages(self.chat_id)
                   if m.role in ("user", "assistant")]
         end = self._earlier

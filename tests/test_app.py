@@ -830,12 +830,20 @@ async def test_a_long_chat_mounts_its_newest_messages_and_shows_earlier_ones_on_
         box = app.chat.query_one("#messages")
         assert box.scroll_y == pytest.approx(top.virtual_region.y - box.styles.padding.top,
                                              abs=2)   # the view stayed on what it showed
+        # two requests at once (a key repeated while a batch mounts): the rest, once each
+        await asyncio.gather(app.chat.show_earlier(), app.chat.show_earlier())
+        await pilot.pause(0.1)
+        assert mounted_ids(app) == ids and not app.chat.query(EarlierMessages)
+        # reopened: the window again; at the top, a click on the note shows a batch
+        app.chat.open_chat(cid)
+        await pilot.pause(0.2)
+        assert mounted_ids(app) == ids[-win:]
+        prompt.focus()
         await pilot.press("home")               # to the top, where the note is
         await pilot.pause(0.1)
-        assert len(mounted_ids(app)) == win + batch
-        await pilot.click(EarlierMessages)      # the rest (fewer than a batch)
-        await wait_for(pilot, lambda: len(mounted_ids(app)) == n, 5, "the rest")
-        assert mounted_ids(app) == ids and not app.chat.query(EarlierMessages)
+        await pilot.click(EarlierMessages)
+        await wait_for(pilot, lambda: len(mounted_ids(app)) == win + batch, 5, "a batch")
+        assert mounted_ids(app) == ids[-(win + batch):]
         # a reply at the bottom of a list past window + batch trims it back to the window
         prompt.focus()
         await pilot.press("end")
