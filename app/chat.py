@@ -280,15 +280,15 @@ class ChatScreen(Screen):
         heap.collect_soon(self.app)
 
     @staticmethod
-    def _message_widgets(stored) -> list:
-        widgets = []
-        for m in stored:
-            if m.role == "user":
-                widgets.append(UserMessage(m.content, m.id))
-            elif m.role == "assistant":
-                widgets.append(AssistantMessage(m.content, m.id, m.finish,
-                                                (m.stats or {}).get("error")))
-        return widgets
+    def _listed(stored) -> list:
+        """The stored messages the list shows, in order (the window's indices count these)."""
+        return [m for m in stored if m.role in ("user", "assistant")]
+
+    @staticmethod
+    def _message_widgets(listed) -> list:
+        return [UserMessage(m.content, m.id) if m.role == "user" else
+                AssistantMessage(m.content, m.id, m.finish, (m.stats or {}).get("error"))
+                for m in listed]
 
     def _mounted_messages(self) -> list:
         return list(self.query_one("#messages").query_children(".message"))
@@ -317,8 +317,7 @@ class ChatScreen(Screen):
             self._showing = False
 
     async def _mount_earlier(self) -> None:
-        stored = [m for m in self.app.store.messages(self.chat_id)
-                  if m.role in ("user", "assistant")]
+        stored = self._listed(self.app.store.messages(self.chat_id))
         end = self._earlier
         start = max(0, end - EARLIER_BATCH)
         box = self.query_one("#messages", VerticalScroll)
@@ -360,7 +359,7 @@ class ChatScreen(Screen):
         self.chat_system = about.system_prompt if about else None
         stored = self.app.store.messages(chat_id) if chat_id is not None else []
         if chat_id is not None:
-            shown = [m for m in stored if m.role in ("user", "assistant")]
+            shown = self._listed(stored)
             start = max(0, len(shown) - CHAT_WINDOW)
             self._earlier = start
             box.mount_all(([EarlierMessages(start)] if start else [])

@@ -238,7 +238,7 @@ class Transcript:
         chars, n = self._mark_for(text)
         return self.ids[:n] + tokenizer.encode(text[chars:])
 
-    def begin_turn(self, tokenizer, text: str, ids: list[int], dropped: int = 0) -> None:
+    def begin_turn(self, text: str, ids: list[int], dropped: int = 0) -> None:
         """`ids` (from `encode(text)`) are the prompt of the turn starting now, which left
         out the conversation's first `dropped` messages."""
         self.dropped = dropped
@@ -344,7 +344,7 @@ class ChatSession:
         # History (and the transcript) change only once the stream starts, so an iterator
         # that is never started leaves the session untouched.
         self.history = base + [user]
-        self.transcript.begin_turn(self.tokenizer, prompt_text, prompt_ids, dropped)
+        self.transcript.begin_turn(prompt_text, prompt_ids, dropped)
         if dropped:
             yield Notice(f"the conversation is longer than the context ({self.backend.max_context} "
                          f"tokens): the oldest {dropped} messages are left out of the prompt",

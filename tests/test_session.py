@@ -191,7 +191,7 @@ def test_a_reply_that_decodes_to_nothing_leaves_the_prompt_as_it_was(tiny_tokeni
     text = tok.render_chat([{"role": "user", "content": "hi"}])
     ids = t.encode(tok, text)
     assert ids == tok.encode(text)
-    t.begin_turn(tok, text, ids)
+    t.begin_turn(text, ids)
     blank = list(range(tok.vocab_size, tok.vocab_size + 3))
     assert tok.decode(blank, skip_special_tokens=False) == ""
     t.add_reply(tok, blank)
