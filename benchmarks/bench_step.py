@@ -162,8 +162,8 @@ def bench_sampler(be, o) -> None:
     """sample_token alone (graph of 50 launches, median of 7 replays) per sampler setting, on
     the synthetic model's logits (random weights; "kept" shows how peaked they are) and on a
     peaked row like a real model's (50 tokens 14 nats above a 2-sigma bulk). top-k off runs the top-p fast path
-    (sample_top_p_fast); "full path" is the same setting with top_k = V + 1024 -- also off, but
-    always the radix passes -- as the A/B. "kept" is the reference sampler's kept-set size: the
+    (sample_top_p_fast); "full path" is the same setting with params_i[3] = 1 -- the radix
+    passes alone -- as the A/B. "kept" is the reference sampler's kept-set size: the
     fast paths need at most 1024 tokens above their bound, so a flat row falls back to the
     full path (and should then cost about what the full-path row does)."""
     from nanoqwen.engine.sampling import SamplerParams, _candidates
@@ -177,9 +177,12 @@ def bench_sampler(be, o) -> None:
         ("app default: t 0.8, top-k 40, top-p 0.95, min-p 0.05", (0.8, 40, 0.95, 0.05, 1.0)),
         ("  + penalty 1.1 (the row of earlier sessions)", (0.8, 40, 0.95, 0.05, 1.1)),
         ("t 0.8, top-k off, top-p 0.9", (0.8, 0, 0.9, 0.0, 1.0)),
-        ("  same, full path (top_k = V + 1024)", (0.8, V + 1024, 0.9, 0.0, 1.0)),
+        ("  same, full path", (0.8, -1, 0.9, 0.0, 1.0)),
         ("t 0.8, top-k off, top-p 0.95, min-p 0.05", (0.8, 0, 0.95, 0.05, 1.0)),
-        ("  same, full path (top_k = V + 1024)", (0.8, V + 1024, 0.95, 0.05, 1.0)),
+        ("  same, full path", (0.8, -1, 0.95, 0.05, 1.0)),
+        ("t 0.8, top-k 5000", (0.8, 5000, 0.95, 0.05, 1.0)),
+        ("  same, full path", (0.8, -5000, 0.95, 0.05, 1.0)),
+        ("temperature alone (top-k off, top-p 1)", (0.8, 0, 1.0, 0.0, 1.0)),
     ]
     saved = be.params_f.clone(), be.params_i.clone()
     print()
@@ -189,7 +192,9 @@ def bench_sampler(be, o) -> None:
         cpu = logits.float().cpu()
         for name, (t, k, p, mp, pen) in rows:
             be.params_f.copy_(torch.tensor([t, p, mp, pen]))
-            be.params_i.copy_(torch.tensor([k, 64, 1234, 0]))
+            full = k < 0  # a negative k here: |k| (0 for -1) on the full path (params_i[3])
+            k = 0 if k == -1 else abs(k)
+            be.params_i.copy_(torch.tensor([k, 64, 1234, int(full)]))
             us = time_graph(lambda i: o.sample_token(
                 be.sampled, be.work, logits, be.ctx_tokens, be.pos, be.params_f, be.params_i,
                 be.counter))

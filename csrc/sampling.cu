@@ -15,24 +15,26 @@
 //      probability is below 2^-32 of the top token's, which top-p never keeps anyway.
 //   5. min-p: logit >= max + log(min_p).
 //   6. temperature: weights exp((l - max)/T) (2^32 fixed point), one draw from
-//      Philox4x32-10(key = seed, counter = step counter): an exclusive scan of per-thread
-//      contiguous chunk sums locates the chunk, whose thread walks it in id order.
-// top-k up to 1024 (the default 40) skips the radix passes: the k-th largest per-thread maximum
-// bounds the threshold from below, the few tokens above it are compacted and steps 3-6 finish
-// on that list in shared memory (sample_top_k_fast); flat distributions fall back to the radix.
-// top-k off (top_k <= 0) with top-p < 1 skips them too (sample_top_p_fast): one pass sums z and
-// per-warp histograms of the distance below the max (1/16 nat bins, counts and mass lower
-// bounds); the first bin where the mass reaches ceil(top_p * z) bounds top-p's threshold from
-// below (min-p's floor, when tighter, replaces it), and if at most 1024 tokens lie above the
-// bound they are compacted in ascending id order and steps 4-6 finish on the list with the
-// full z. Same kept set, same fixed-point weights, same walk order: the same token as the full
-// path for the same (seed, counter). More than 1024 above the bound (flat distributions, big
-// ties), z == 0 (+-inf maxima) or V > 1048576: the full path, reusing z.
-// Predicted (before measurement) on the H200 for top-k off, top-p 0.9 on bench_step's peaked
-// row (V = 152064, ~15k tokens within 16 nats of the max, a handful kept): ~30 us per call
-// (argmax pass ~5, histogram pass ~12 -- bound by the expf and 64-bit conversion per token --,
-// write pass ~5, list finish and barriers ~5, launch ~3) against 500 us on the radix path; on a
-// flat row (fallback) about the radix path's 500 us (the histogram pass replaces its z pass).
+//      Philox4x32-10(key = seed, counter = step counter), located walking the ids in ascending
+//      order (draw_full: sums over contiguous warp ranges, two levels, then one warp's scan).
+// The radix passes are the full path; the fast paths below skip them and draw the same token
+// (same kept set, same fixed-point weights, same id-order walk). params_i[3] != 0 forces the
+// full path: the tests' and bench_step's A/B reference.
+// top-k up to 1024 (the default 40): the k-th largest per-thread maximum bounds the threshold
+// from below, the few tokens above it are compacted and steps 3-6 finish on that list in shared
+// memory (sample_top_k_fast). Any other k (or that list overflowing: flat rows): a counting
+// histogram of the distance below the max (1/4-nat bins, 64 nats), the crossing bin's 256
+// sub-bins and the crossing sub-bin's keys give the k-th largest key (top_k_threshold_wide).
+// top-p < 1 then (sample_top_p_fast, over top-k's survivors): one pass sums z and per-warp
+// histograms of the distance below the max (1/16-nat bins, exact counts and masses); the bin
+// where the mass reaches ceil(top_p * z) holds the threshold; if at most 1024 tokens lie at or
+// above it (min-p's floor, when tighter, replaces it) they are compacted in ascending id order
+// and steps 4-6 finish on the list with the full z; otherwise (flat rows) the threshold comes
+// from that bin's sub-bins (threshold_wide) and the draw runs over the vocabulary (draw_full,
+// two levels of warp ranges, coalesced). The radix path remains for what the histograms cannot
+// bound: thresholds more than 16 (top-p) or 64 (top-k) nats down, a crossing sub-bin of more
+// than 1024 tokens (big ties), z == 0 (+-inf maxima), V > 1048576.
+// Measured on the H200 (benchmarks/RESULTS.md, issue 12 item 3): see bench_samplers.py.
 // Radix histograms are per warp with same-bin lanes merged first (radix_threshold).
 // Parameters are read from device memory on every call (no graph re-capture when they change).
 #include <math_constants.h>
@@ -73,8 +75,10 @@ struct SampleShared {
   float max_val;
   int max_idx;
   unsigned bin_cnt[256];  // sample_top_p_fast: tokens per distance bin (sh.hist: their mass)
-  int top_p_bin;          // sample_top_p_fast: the bin where the mass reaches the target, or -1
-  unsigned top_p_n;       // tokens in bins 0..top_p_bin
+  int top_p_bin;          // rows_pick: the bin where the mass reaches the target, or -1
+  unsigned top_p_n;       // rows_pick: tokens in bins 0..top_p_bin
+  unsigned top_p_in_bin;  // rows_pick: tokens in top_p_bin
+  unsigned long long top_p_above;  // rows_pick: base + the mass of bins 0..top_p_bin-1
 };
 
 // Block-wide uint64 sum (all threads get it). Called by every thread, outside warp branches.
@@ -194,7 +198,7 @@ __device__ void radix_pick(unsigned long long remaining, SampleShared& sh) {
 // Largest key t with weight(key >= t, key >= floor) >= target, where weight is 1 per token
 // (counting) or the fixed-point mass exp(l - mx) * 2^32.
 template <bool kMass>
-__device__ uint32_t radix_threshold(const float* __restrict__ src, int V, uint32_t floor_key,
+__device__ __noinline__ uint32_t radix_threshold(const float* __restrict__ src, int V, uint32_t floor_key,
                                     float mx, unsigned long long target, SampleShared& sh) {
   // Histograms: one private 256-bin copy per warp (dynamic shared memory, kWarpHistBytes), and
   // within a warp the lanes that hit the same bin are merged first (__match_any_sync + an
@@ -294,7 +298,7 @@ constexpr int kTopPBins = 256;
 // the logit order) and NaN for NaN. __fsub_rn/__fmul_rn are never contracted: the histogram
 // pass and the write pass compute the same value for the same logit.
 __device__ __forceinline__ float top_p_bin_dist(float v, float mx) {
-  return __fmul_rn(__fsub_rn(mx, v), 16.0f);
+  return __fmul_rn(__fsub_rn(mx, v), 16.0f);  // bin_dist(v, mx, 16)
 }
 
 // Exclusive scan of `mine` over the block in thread order; `total` gets the block's sum.
@@ -455,7 +459,7 @@ __device__ void finish_compact(int32_t* out_token, int n, uint32_t floor_key, fl
 // found by sorting (the top-k threshold the radix select would find, ties kept), and steps 4-6
 // finish on the list. Returns false (block-uniform) when more than kSampleThreads tokens are
 // >= L (a flat distribution); the radix path then runs.
-__device__ bool sample_top_k_fast(int32_t* out_token, const float* __restrict__ src, int V,
+__device__ __noinline__ bool sample_top_k_fast(int32_t* out_token, const float* __restrict__ src, int V,
                                   int top_k, float mx, float temperature, float top_p,
                                   float min_p, uint64_t seed, const int64_t* counter,
                                   SampleShared& sh) {
@@ -480,94 +484,175 @@ __device__ bool sample_top_k_fast(int32_t* out_token, const float* __restrict__ 
   return true;
 }
 
-// top-p (and min-p) with top-k off, without the radix passes. Same kept set, same fixed-point
-// masses and the same draw as the full path, so the same token for the same (seed, counter):
-//   scan pass (warp w owns the contiguous ids [w*seg, (w+1)*seg), read coalesced): the total
-//     mass z (top-p's denominator, the same integer sum as the full path's), per-warp
-//     histograms over d = 16 * (max - l) (256 bins, 16 nats): token counts and mass lower
-//     bounds (w >> 16, so a bin fits 32 bits), and per warp the count of min-p's survivors.
-//   pick: the first bin b where the histogram's mass reaches top_p's target. The tokens with
-//     d < b + 1 (U_h) have exact mass >= the lower bound >= target, so the top-p threshold t*
-//     (the largest key whose mass of keys >= it reaches the target) is >= their smallest key:
-//     U_h holds every token of the top-p set. With min-p, U_F = {l >= max + log(min_p)} also
-//     does: if t* lies in U_F it is found exactly (all keys >= t* are in U_F), otherwise no
-//     list key reaches the target and min-p's floor decides alone, as on the full path. Both
-//     are top sets of the logit order, so one contains the other: take the smaller.
-//   write pass: the chosen set in ascending id order (warp segments in order, ballots within
-//     a warp) -- the order in which the full path's draw walks the vocabulary, so the same
-//     pick lands on the same token -- and finish_compact with the full z.
-// Returns false (block-uniform) when the set has more than kSampleThreads tokens (flat
-// distributions, big ties), when z == 0 (+-inf maxima), or when V > 32 * 32768 (a bin's u32
-// mass could overflow); *z_known then says whether z_out holds z for the full path.
-__device__ bool sample_top_p_fast(int32_t* out_token, const float* __restrict__ src, int V,
-                                  float mx, float temperature, float top_p, float min_p,
-                                  uint64_t seed, const int64_t* counter, SampleShared& sh,
-                                  unsigned long long& z_out, bool& z_known) {
-  extern __shared__ unsigned long long whist[];
-  unsigned* wmass = reinterpret_cast<unsigned*>(whist);   // [kSampleWarps][kTopPBins]
-  unsigned* wcnt = wmass + kSampleWarps * kTopPBins;      // [kSampleWarps][kTopPBins]
-  static_assert(2 * kSampleWarps * kTopPBins * 4 <= kWarpHistBytes, "rows exceed the buffer");
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  z_known = false;
-  const int seg = ((V + kSampleWarps - 1) / kSampleWarps + 31) & ~31;  // whole 128 B lines
-  if (seg > 32768) return false;  // 32768 tokens * 2^16 per bin: the u32 sums stay exact
-  const int s0 = min(V, warp * seg), s1 = min(V, s0 + seg);
-  const bool use_min_p = min_p > 0.f;
-  const float fv = use_min_p ? min_p_floor(mx, min_p) : 0.f;
-  const uint32_t fkey = float_key(fv);
-  for (int i = t; i < 2 * kSampleWarps * kTopPBins; i += kSampleThreads) wmass[i] = 0u;
-  __syncthreads();  // the rows overlay block_argmax's tmax (not read on this path)
+// Fixed-point weight of one token for the draw, 0 below the kept set's floor.
+__device__ __forceinline__ unsigned long long draw_weight(float v, uint32_t floor_key, float mx,
+                                                          float inv_t) {
+  return float_key(v) >= floor_key ? fixed_mass(v, mx, inv_t) : 0ull;
+}
 
-  unsigned* my_mass = wmass + warp * kTopPBins;
-  unsigned* my_cnt = wcnt + warp * kTopPBins;
-  unsigned long long z = 0;
-  unsigned n_f = 0;  // min-p survivors in this warp's segment (warp-uniform)
-  // loads in flight per lane before the arithmetic: 4 in this pass (8 spilled at the 64-register
-  // cap, and the pass is bound by the expf + 64-bit conversion per token anyway), 8 in the write
-  constexpr int kBatch = 4, kBatchW = 8;
-  for (int i0 = s0; i0 < s1; i0 += kBatch * 32) {  // same trip count for the warp's lanes
-    float vb[kBatch];
+// Sum of draw weights over ids [s0, s1) by one warp, coalesced (lanes stride 32, 8 loads in
+// flight); every lane gets it. Integer sum: independent of the order.
+__device__ unsigned long long warp_weight_sum(const float* __restrict__ src, int s0, int s1,
+                                              uint32_t floor_key, float mx, float inv_t) {
+  const int lane = threadIdx.x & 31;
+  constexpr int kB = 8;
+  unsigned long long m = 0;
+  for (int i0 = s0; i0 < s1; i0 += kB * 32) {
+    float vb[kB];
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
+    for (int u = 0; u < kB; ++u) {
       const int i = i0 + u * 32 + lane;
       vb[u] = i < s1 ? src[i] : 0.f;
     }
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const bool in = i0 + u * 32 + lane < s1;
-      const float v = vb[u];
-      if (in) {
-        const unsigned long long w = fixed_mass(v, mx, 1.0f);  // the full path's top-p mass
-        z += w;
-        const float d = top_p_bin_dist(v, mx);
-        if (d < (float)kTopPBins) {  // false for NaN
-          const int b = (int)d;
-          atomicAdd(&my_cnt[b], 1u);
-          const unsigned wl = (unsigned)(w >> 16);
-          if (wl) atomicAdd(&my_mass[b], wl);
-        }
+    for (int u = 0; u < kB; ++u)
+      if (i0 + u * 32 + lane < s1) m += draw_weight(vb[u], floor_key, mx, inv_t);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m += __shfl_xor_sync(0xffffffffu, m, o);
+  return m;
+}
+
+// Which of the 32 warps' contiguous ranges holds `pick` (0 <= pick < the sum of the ranges'
+// weights `wsum`, held by every lane of its warp): its warp index in sh.sel_digit, the pick
+// minus the weight before it in sh.sel_rem; `total` gets the sum over all warps. Called by
+// every thread, outside warp branches.
+__device__ void locate_range(unsigned long long wsum, SampleShared& sh, unsigned long long& total,
+                             bool draw, const int64_t* counter, uint64_t seed,
+                             unsigned long long pick_in) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned long long excl0 = block_excl_scan_u64(lane == 0 ? wsum : 0ull, sh, total);
+  const unsigned long long excl = __shfl_sync(0xffffffffu, excl0, 0);
+  const unsigned long long pick = draw ? draw_pick(counter, seed, total) : pick_in;
+  if (lane == 0 && wsum > 0 && excl <= pick && pick < excl + wsum) {
+    sh.sel_digit = warp;
+    sh.sel_rem = pick - excl;
+  }
+  __syncthreads();
+}
+
+// Step 6 over the whole vocabulary: weights exp((l - max)/T) (2^32 fixed point) of the tokens
+// with key >= floor_key, one draw, and the token where the pick lands walking the ids in
+// ascending order (the same token as any walk in id order: finish_compact's on a list in id
+// order). Two levels of contiguous ranges, every read coalesced: the warps' segments of the
+// vocabulary, then the chosen segment cut into 32 sub-ranges, one per warp; the warp owning
+// the pick's sub-range walks it 32 ids at a time with a warp scan. Called by every thread,
+// outside warp branches.
+__device__ void draw_full(int32_t* out_token, const float* __restrict__ src, int V,
+                          uint32_t floor_key, float mx, float temperature, uint64_t seed,
+                          const int64_t* counter, SampleShared& sh) {
+  const float inv_t = 1.0f / temperature;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int seg = ((V + kSampleWarps - 1) / kSampleWarps + 31) & ~31;
+  if (threadIdx.x == 0) {
+    out_token[0] = sh.max_idx;  // fallback (the max is always kept: never used)
+    sh.sel_digit = 0;
+    sh.sel_rem = 0;
+  }
+  int s0 = min(V, warp * seg), s1 = min(V, s0 + seg);
+  unsigned long long total;
+  locate_range(warp_weight_sum(src, s0, s1, floor_key, mx, inv_t), sh, total, true, counter,
+               seed, 0ull);
+  const int w1 = sh.sel_digit;
+  const unsigned long long pick1 = sh.sel_rem;
+  __syncthreads();  // read by all before locate_range rewrites them
+  const int r0 = min(V, w1 * seg), r1 = min(V, r0 + seg);
+  const int sub = ((r1 - r0 + kSampleWarps - 1) / kSampleWarps + 31) & ~31;
+  s0 = min(r1, r0 + warp * sub);
+  s1 = min(r1, s0 + sub);
+  unsigned long long total1;
+  locate_range(warp_weight_sum(src, s0, s1, floor_key, mx, inv_t), sh, total1, false, counter,
+               seed, pick1);
+  if (warp == sh.sel_digit) {  // warp-uniform; shuffles only inside
+    unsigned long long acc = 0;
+    const unsigned long long pick = sh.sel_rem;
+    for (int i0 = s0; i0 < s1; i0 += 32) {
+      const int i = i0 + lane;
+      const unsigned long long w = i < s1 ? draw_weight(src[i], floor_key, mx, inv_t) : 0ull;
+      unsigned long long incl = w;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long other = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += other;
       }
-      if (use_min_p) n_f += __popc(__ballot_sync(0xffffffffu, in && float_key(v) >= fkey));
+      const unsigned long long lo = acc + incl - w;
+      if (w > 0 && lo <= pick && pick < acc + incl) out_token[0] = i;  // exactly one lane
+      acc += __shfl_sync(0xffffffffu, incl, 31);
+      if (acc > pick) break;  // warp-uniform
     }
   }
-  z = block_sum_u64(z, sh);  // its first barrier also publishes the rows
-  z_out = z;
-  z_known = true;
-  if (z == 0) return false;
-  const unsigned long long target = top_p_target(top_p, z);
-  for (int b = t; b < kTopPBins; b += kSampleThreads) {
-    unsigned long long m = 0;
+}
+
+// sample_top_p_fast's histograms: per warp and bin, u32 rows of the token count and of the
+// exact fixed-point mass in two parts (w >> 16 <= 2^16 and w & 0xFFFF): a warp segment holds at
+// most 32768 tokens, so every row sum stays below 2^31 and the bin's mass is exact.
+// The rows are addressed from the dynamic shared buffer at each use (constant offsets): held
+// as pointers they cost six of the kernel's 64 registers and spilled its hot passes.
+struct TopPRows {
+  __device__ __forceinline__ unsigned* base() const {
+    extern __shared__ unsigned long long whist[];
+    return reinterpret_cast<unsigned*>(whist);
+  }
+  __device__ __forceinline__ unsigned& cnt(int k) const { return base()[k]; }
+  __device__ __forceinline__ unsigned& hi(int k) const { return base()[kTopPRowWordsC + k]; }
+  __device__ __forceinline__ unsigned& lo(int k) const { return base()[2 * kTopPRowWordsC + k]; }
+  static constexpr int kTopPRowWordsC = kSampleWarps * 256;
+};
+constexpr int kTopPRowWords = kSampleWarps * kTopPBins;
+// the kernel's dynamic shared memory: the larger of radix_threshold's histograms and the rows
+// threshold_wide's band: the crossing bin's logits, when at most this many, in shared memory
+// after the rows (one pass over the vocabulary instead of two)
+constexpr int kBandCap = 8192;
+constexpr int kRowsBytes =
+    kWarpHistBytes > 3 * kTopPRowWords * 4 ? kWarpHistBytes : 3 * kTopPRowWords * 4;
+constexpr int kSampleSmemBytes = kRowsBytes + kBandCap * 4;
+__device__ __forceinline__ float* band_smem() {
+  extern __shared__ unsigned long long whist[];
+  return reinterpret_cast<float*>(reinterpret_cast<char*>(whist) + kRowsBytes);
+}
+static_assert(TopPRows::kTopPRowWordsC == kTopPRowWords, "row size");
+__device__ __forceinline__ TopPRows top_p_rows() { return TopPRows{}; }
+__device__ __forceinline__ void rows_clear(const TopPRows& r) {
+  for (int i = threadIdx.x; i < 3 * kTopPRowWords; i += kSampleThreads) r.cnt(i) = 0u;
+}
+// kMass false (counting): the count row alone (rows_pick<false> reads it as the weight)
+template <bool kMass = true>
+__device__ __forceinline__ void rows_add(const TopPRows& r, int warp, int b,
+                                         unsigned long long w) {
+  const int k = warp * kTopPBins + b;
+  atomicAdd(&r.cnt(k), 1u);
+  if (!kMass) return;
+  const unsigned hi = (unsigned)(w >> 16), lo = (unsigned)(w & 0xFFFFull);
+  if (hi) atomicAdd(&r.hi(k), hi);
+  if (lo) atomicAdd(&r.lo(k), lo);
+}
+
+// The rows summed over the warps into sh.hist (exact masses) and sh.bin_cnt (counts); then,
+// in warp 0 (shuffles only), the first bin b where base + the mass of bins 0..b reaches
+// target: sh.top_p_bin (-1 when none does), sh.top_p_n (tokens in bins 0..b), sh.top_p_in_bin
+// (tokens in b) and sh.top_p_above (base + the mass of bins 0..b-1). Called by every thread,
+// after a barrier that published the rows; ends with one.
+template <bool kMass = true>
+__device__ void rows_pick(const TopPRows& r, unsigned long long base, unsigned long long target,
+                          SampleShared& sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int b = threadIdx.x; b < kTopPBins; b += kSampleThreads) {
+    unsigned long long hi = 0, lo = 0;
     unsigned n = 0;
 #pragma unroll 8
     for (int w = 0; w < kSampleWarps; ++w) {
-      m += wmass[w * kTopPBins + b];
-      n += wcnt[w * kTopPBins + b];
+      if (kMass) {
+        hi += r.hi(w * kTopPBins + b);
+        lo += r.lo(w * kTopPBins + b);
+      }
+      n += r.cnt(w * kTopPBins + b);
     }
-    sh.hist[b] = m << 16;
+    sh.hist[b] = kMass ? (hi << 16) + lo : (unsigned long long)n;
     sh.bin_cnt[b] = n;
   }
+  if (threadIdx.x == 0) sh.top_p_bin = -1;  // unless a lane below finds the bin
   __syncthreads();
-  if (warp == 0) {  // the first bin whose cumulative mass reaches the target; shuffles only
+  if (warp == 0) {
     static_assert(kTopPBins == 32 * 8, "8 bins per lane");
     unsigned long long v[8], mine = 0;
     unsigned cn[8], cmine = 0;
@@ -586,38 +671,314 @@ __device__ bool sample_top_p_fast(int32_t* out_token, const float* __restrict__ 
       const unsigned cother = __shfl_up_sync(0xffffffffu, cincl, o);
       if (lane >= o) { incl += other; cincl += cother; }
     }
-    if (lane == 31 && incl < target) sh.top_p_bin = -1;  // beyond 16 nats
-    if (incl - mine < target && target <= incl) {        // exactly one lane
-      unsigned long long acc = incl - mine;
+    if (lane == 31 && base + incl < target) sh.top_p_bin = -1;  // no bin reaches it
+    if (base + incl - mine < target && target <= base + incl) {  // exactly one lane
+      unsigned long long acc = base + incl - mine;
       unsigned cacc = cincl - cmine;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
+        if (acc + v[j] >= target) {
+          sh.top_p_bin = lane * 8 + j;
+          sh.top_p_n = cacc + cn[j];
+          sh.top_p_in_bin = cn[j];
+          sh.top_p_above = acc;
+          break;
+        }
         acc += v[j];
         cacc += cn[j];
-        if (acc >= target) {
-          sh.top_p_bin = lane * 8 + j;
-          sh.top_p_n = cacc;
-          break;
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// Distance below the max in bins of 1/scale nat (scale a power of two: top-p's 16, top-k's
+// 4), as top_p_bin_dist: monotone non-increasing in v, NaN for NaN, never contracted.
+__device__ __forceinline__ float bin_dist(float v, float mx, float scale) {
+  return __fmul_rn(__fsub_rn(mx, v), scale);
+}
+
+// The exact threshold t* (the largest key whose weight of keys >= it reaches target; weight
+// the fixed-point mass exp(l - max) for kMass, else 1 per token) among the tokens with key >=
+// floor_key, when it lies in distance bin `bin` (bin_dist at `scale`) and the tokens up to that
+// bin are too many for the list (a flat distribution): a pass histograms the bin's tokens into
+// 256 sub-bins (exact weights again), the sub-bin where the weight reaches the target is
+// compacted (<= kSampleThreads tokens, else false: big ties, the radix path decides) and t* is
+// found among its keys, as finish_compact finds it. `above`: the weight of the bins before
+// `bin`; `n_bin`: its tokens (with key >= floor_key): up to kBandCap of them are copied to
+// shared memory in the one pass, more take a second pass. Returns t* through *key_out.
+// Block-uniform result.
+// The sub-bin index floor((d - bin) * 256) is monotone in d, which is monotone non-increasing
+// in the logit: the sub-bins partition the bin by logit order, so every key in an earlier
+// sub-bin is larger than every key in a later one, and weight(key >= k) for k in the crossing
+// sub-bin is the weight above it plus its own tokens' with key >= k. d - bin is exact
+// (Sterbenz: bin <= d < bin + 1 <= 2 bin, or bin 0) and the * 256 is a power of two.
+template <bool kMass>
+__device__ bool threshold_wide(const float* __restrict__ src, int s0, int s1, float mx,
+                               float scale, uint32_t floor_key, int bin, unsigned n_bin,
+                               unsigned long long above, unsigned long long target,
+                               SampleShared& sh, uint32_t* key_out) {
+  const TopPRows rows = top_p_rows();
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const float fb = (float)bin, fe = (float)(bin + 1);
+  // n_bin (the bin's tokens, from the caller's histogram) fits the band: one pass copies them
+  // to shared memory and the sub-bins are made from there; else two passes over the vocabulary
+  const bool banded = n_bin <= (unsigned)kBandCap;
+  float* band = band_smem();
+  auto in_bin = [&](float v, float d) {
+    return d >= fb && d < fe && float_key(v) >= floor_key;
+  };
+  auto sub_of = [&](float d) {
+    return min((int)__fmul_rn(__fsub_rn(d, fb), 256.0f), kTopPBins - 1);
+  };
+  rows_clear(rows);
+  if (t == 0) sh.top_p_n = 0u;
+  __syncthreads();
+  constexpr int kBatchW = 8;
+  for (int i0 = s0; i0 < s1; i0 += kBatchW * 32) {
+    float vb[kBatchW];
+#pragma unroll
+    for (int u = 0; u < kBatchW; ++u) {
+      const int i = i0 + u * 32 + lane;
+      vb[u] = i < s1 ? src[i] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatchW; ++u) {
+      const float d = bin_dist(vb[u], mx, scale);
+      const bool take = i0 + u * 32 + lane < s1 && in_bin(vb[u], d);
+      if (banded) {  // block-uniform
+        const unsigned bal = __ballot_sync(0xffffffffu, take);
+        if (bal) {
+          unsigned at = 0;
+          if (lane == __ffs(bal) - 1) at = atomicAdd(&sh.top_p_n, (unsigned)__popc(bal));
+          at = __shfl_sync(0xffffffffu, at, __ffs(bal) - 1) + __popc(bal & ((1u << lane) - 1u));
+          if (take && at < (unsigned)kBandCap) band[at] = vb[u];  // at < n_bin: guard anyway
+        }
+      } else if (take) {
+        rows_add<kMass>(rows, warp, sub_of(d), kMass ? fixed_mass(vb[u], mx, 1.0f) : 1ull);
+      }
+    }
+  }
+  __syncthreads();
+  const int nb = (int)min(sh.top_p_n, (unsigned)kBandCap);
+  if (banded) {
+    for (int j = t; j < nb; j += kSampleThreads) {
+      const float v = band[j];
+      rows_add<kMass>(rows, warp, sub_of(bin_dist(v, mx, scale)),
+                      kMass ? fixed_mass(v, mx, 1.0f) : 1ull);
+    }
+    __syncthreads();
+  }
+  rows_pick<kMass>(rows, above, target, sh);
+  const int sub = sh.top_p_bin;
+  const unsigned n_sub = sh.top_p_in_bin;
+  const unsigned long long base = sh.top_p_above;
+  if (sub < 0 || n_sub > (unsigned)kSampleThreads) return false;  // read by all: uniform
+  __syncthreads();  // sh.top_p_* are reused below
+  // the crossing sub-bin's tokens, in any order (t* does not depend on it); c.* overlays the
+  // rows, which rows_pick has read
+  const CompactSmem c = compact_smem();
+  if (t == 0) sh.top_p_n = 0u;
+  __syncthreads();
+  if (banded) {
+    for (int j = t; j < nb; j += kSampleThreads) {
+      const float v = band[j];
+      if (sub_of(bin_dist(v, mx, scale)) == sub) {
+        const unsigned k = atomicAdd(&sh.top_p_n, 1u);
+        if (k < (unsigned)kSampleThreads) c.cv[k] = v;  // k < n_sub by construction
+      }
+    }
+  } else {
+    for (int i0 = s0; i0 < s1; i0 += kBatchW * 32) {
+      float vb[kBatchW];
+#pragma unroll
+      for (int u = 0; u < kBatchW; ++u) {
+        const int i = i0 + u * 32 + lane;
+        vb[u] = i < s1 ? src[i] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatchW; ++u) {
+        const float d = bin_dist(vb[u], mx, scale);
+        if (i0 + u * 32 + lane < s1 && in_bin(vb[u], d) && sub_of(d) == sub) {
+          const unsigned k = atomicAdd(&sh.top_p_n, 1u);
+          if (k < (unsigned)kSampleThreads) c.cv[k] = vb[u];
         }
       }
     }
   }
   __syncthreads();
+  const int n = (int)min(sh.top_p_n, (unsigned)kSampleThreads);
+  const uint32_t key = t < n ? float_key(c.cv[t]) : 0u;
+  if (t < n) c.cw[t] = kMass ? fixed_mass(c.cv[t], mx, 1.0f) : 1ull;
+  if (t == 0) sh.sel_digit = 0;
+  __syncthreads();
+  if (t < n) {
+    unsigned long long m = base;  // weight of the keys >= this one
+    for (int j = 0; j < n; ++j) m += float_key(c.cv[j]) >= key ? c.cw[j] : 0ull;
+    if (m >= target) atomicMax(reinterpret_cast<unsigned*>(&sh.sel_digit), key);
+  }
+  __syncthreads();
+  *key_out = (uint32_t)sh.sel_digit;
+  __syncthreads();  // read by all before sh.sel_digit is reused
+  return true;
+}
+
+// top-k's threshold (the k-th largest key, ties kept: what radix_threshold<false> finds) for
+// k tokens the compact list cannot hold: a counting histogram of the distance below the max in
+// 256 bins of 1/4 nat (64 nats), the bin where the count reaches k, then threshold_wide's
+// sub-bins. False (block-uniform: the radix path decides) when the k-th largest lies more than
+// 64 nats down or its sub-bin holds more than kSampleThreads tokens.
+__device__ __noinline__ bool top_k_threshold_wide(const float* __restrict__ src, int V, float mx, int top_k,
+                                     SampleShared& sh, uint32_t* key_out) {
+  const TopPRows rows = top_p_rows();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int seg = ((V + kSampleWarps - 1) / kSampleWarps + 31) & ~31;
+  const int s0 = min(V, warp * seg), s1 = min(V, s0 + seg);
+  constexpr float kScale = 4.0f;
+  rows_clear(rows);
+  __syncthreads();
+  constexpr int kB = 8;
+  for (int i0 = s0; i0 < s1; i0 += kB * 32) {
+    float vb[kB];
+#pragma unroll
+    for (int u = 0; u < kB; ++u) {
+      const int i = i0 + u * 32 + lane;
+      vb[u] = i < s1 ? src[i] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kB; ++u) {
+      const float d = bin_dist(vb[u], mx, kScale);
+      if (i0 + u * 32 + lane < s1 && d < (float)kTopPBins)
+        rows_add<false>(rows, warp, (int)d, 1ull);
+    }
+  }
+  __syncthreads();
+  rows_pick<false>(rows, 0ull, (unsigned long long)top_k, sh);
+  const int bin = sh.top_p_bin;
+  const unsigned n_bin = sh.top_p_in_bin;
+  const unsigned long long above = sh.top_p_above;
+  __syncthreads();  // read by all before threshold_wide rewrites them
+  if (bin < 0) return false;
+  return threshold_wide<false>(src, s0, s1, mx, kScale, 0u, bin, n_bin, above,
+                               (unsigned long long)top_k, sh, key_out);
+}
+
+// top-p (and min-p) over the tokens with key >= kfloor (top-k's survivors; 0: top-k off),
+// without the radix passes. Same kept set, same fixed-point masses and the same draw as the
+// full path, so the same token for the same (seed, counter). Below, every set is taken inside
+// the survivors (the masses, z and the counts are theirs):
+//   scan pass (warp w owns the contiguous ids [w*seg, (w+1)*seg), read coalesced): the total
+//     mass z (top-p's denominator, the same integer sum as the full path's), per-warp
+//     histograms over d = 16 * (max - l) (256 bins, 16 nats): token counts and exact masses
+//     (TopPRows), and per warp the count of min-p's survivors.
+//   pick: the first bin b where the histogram's mass reaches top_p's target: the top-p
+//     threshold t* (the largest key whose mass of keys >= it reaches the target) lies in b, so
+//     U_h = {d < b + 1} holds every token of the top-p set. With min-p, U_F = {l >= max +
+//     log(min_p)} also does: if t* lies in U_F it is found exactly (all keys >= t* are in U_F),
+//     otherwise no list key reaches the target and min-p's floor decides alone, as on the full
+//     path. Both are top sets of the logit order, so one contains the other: take the smaller.
+//   write pass: the chosen set in ascending id order (warp segments in order, ballots within
+//     a warp) -- the order in which the full path's draw walks the vocabulary, so the same
+//     pick lands on the same token -- and finish_compact with the full z.
+//   more than kSampleThreads tokens in the chosen set (flat distributions): t* from b's
+//     sub-bins (threshold_wide), the floor max(t*, min-p's), and the full path's draw
+//     (draw_full) over the vocabulary. With no bin reaching the target (t* more than 16 nats
+//     down) but min-p's floor inside the 16 nats, t* is below that floor: the floor decides.
+// Returns false (block-uniform) when t* is more than 16 nats down without such a floor, when
+// the crossing sub-bin has more than kSampleThreads tokens (big ties), when z == 0 (+-inf
+// maxima), or when V > 32 * 32768 (a row could overflow); *z_known then says whether z_out
+// holds z for the full path.
+// kFloor: kfloor may be above 0 (a compile-time switch: the key test per token costs ~5 us of
+// the one block's issue slots at V = 152064 when top-k is off).
+template <bool kFloor>
+__device__ bool sample_top_p_fast(int32_t* out_token, const float* __restrict__ src, int V,
+                                  uint32_t kfloor, float mx, float temperature, float top_p, float min_p,
+                                  uint64_t seed, const int64_t* counter, SampleShared& sh,
+                                  unsigned long long& z_out, bool& z_known) {
+  const TopPRows rows = top_p_rows();
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  z_known = false;
+  const int seg = ((V + kSampleWarps - 1) / kSampleWarps + 31) & ~31;  // whole 128 B lines
+  if (seg > 32768) return false;  // 32768 tokens * 2^16 per row: the u32 sums stay exact
+  const int s0 = min(V, warp * seg), s1 = min(V, s0 + seg);
+  const bool use_min_p = min_p > 0.f;
+  const float fv = use_min_p ? min_p_floor(mx, min_p) : 0.f;
+  const uint32_t fkey = float_key(fv);
+  const uint32_t fkey_s = max(fkey, kfloor);  // min-p's survivors among top-k's
+  rows_clear(rows);
+  __syncthreads();  // the rows overlay block_argmax's tmax (not read on this path)
+
+  const unsigned* my_cnt = &rows.cnt(warp * kTopPBins);
+  unsigned long long z = 0;
+  unsigned n_f = 0;  // min-p survivors in this warp's segment (warp-uniform)
+  // loads in flight per lane before the arithmetic: 4 in this pass (8 spilled at the 64-register
+  // cap, and the pass is bound by the expf + 64-bit conversion per token anyway), 8 in the write
+  constexpr int kBatch = 4, kBatchW = 8;
+  for (int i0 = s0; i0 < s1; i0 += kBatch * 32) {  // same trip count for the warp's lanes
+    float vb[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = i0 + u * 32 + lane;
+      vb[u] = i < s1 ? src[i] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const float v = vb[u];
+      const bool in = i0 + u * 32 + lane < s1 && (!kFloor || float_key(v) >= kfloor);
+      if (in) {
+        const unsigned long long w = fixed_mass(v, mx, 1.0f);  // the full path's top-p mass
+        z += w;
+        const float d = top_p_bin_dist(v, mx);
+        if (d < (float)kTopPBins) rows_add(rows, warp, (int)d, w);  // false for NaN
+      }
+      if (use_min_p) n_f += __popc(__ballot_sync(0xffffffffu, in && float_key(v) >= fkey_s));
+    }
+  }
+  z = block_sum_u64(z, sh);  // its first barrier also publishes the rows
+  z_out = z;
+  z_known = true;
+  if (z == 0) return false;
+  const unsigned long long target = top_p_target(top_p, z);
+  rows_pick(rows, 0ull, target, sh);
   const int bin = sh.top_p_bin;
   const float lim = (float)(bin + 1);  // U_h = {d < lim}: (int)d <= bin for d in [0, 256)
   // U_F inside U_h iff max + log(min_p) itself lies inside (both are top sets)
   const bool by_key = use_min_p && (bin < 0 || top_p_bin_dist(fv, mx) < lim);
-  if (!by_key && (bin < 0 || sh.top_p_n > (unsigned)kSampleThreads)) return false;
+  if (!by_key && bin < 0) return false;
+  bool wide = !by_key && sh.top_p_n > (unsigned)kSampleThreads;
+  unsigned long long n = 0, at0 = 0;
   unsigned wc = n_f;  // this warp's share of the chosen set
-  if (!by_key) {
-    unsigned s = 0;
+  if (!wide) {
+    if (!by_key) {
+      unsigned s = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) s += lane * 8 + j <= bin ? my_cnt[lane * 8 + j] : 0u;
-    wc = __reduce_add_sync(0xffffffffu, s);
+      for (int j = 0; j < 8; ++j) s += lane * 8 + j <= bin ? my_cnt[lane * 8 + j] : 0u;
+      wc = __reduce_add_sync(0xffffffffu, s);
+    }
+    at0 = block_excl_scan_u64(lane == 0 ? wc : 0ull, sh, n);
+    wide = n > (unsigned long long)kSampleThreads;
   }
-  unsigned long long n;
-  const unsigned long long at0 = block_excl_scan_u64(lane == 0 ? wc : 0ull, sh, n);
-  if (n > (unsigned long long)kSampleThreads) return false;
+  if (wide) {  // block-uniform
+    uint32_t floor_key;
+    const float df = top_p_bin_dist(fv, mx);
+    if (by_key && (bin < 0 ? df < (float)kTopPBins : df < (float)bin)) {
+      // min-p's floor lies in a bin above t*'s (or inside the 16 nats when t* is further
+      // down): every key >= t* that min-p keeps is above the floor, which decides alone
+      floor_key = fkey_s;
+    } else if (bin < 0) {
+      return false;  // t* and min-p's floor both more than 16 nats down
+    } else {
+      const unsigned long long above = sh.top_p_above;
+      const unsigned n_bin = sh.top_p_in_bin;
+      __syncthreads();  // read by all before threshold_wide rewrites it
+      if (!threshold_wide<true>(src, s0, s1, mx, 16.0f, kfloor, bin, n_bin, above, target, sh,
+                                &floor_key))
+        return false;
+      floor_key = max(floor_key, use_min_p ? fkey_s : kfloor);
+    }
+    draw_full(out_token, src, V, floor_key, mx, temperature, seed, counter, sh);
+    return true;
+  }
   // write pass: the rows are dead (read before the scan's barriers), c.cv / c.ci overlay them
   const CompactSmem c = compact_smem();
   if (wc > 0) {  // warp-uniform
@@ -634,7 +995,9 @@ __device__ bool sample_top_p_fast(int32_t* out_token, const float* __restrict__ 
       for (int u = 0; u < kBatchW; ++u) {
         const int i = i0 + u * 32 + lane;
         const float v = vb[u];
-        const bool keep = i < s1 && (by_key ? float_key(v) >= fkey : top_p_bin_dist(v, mx) < lim);
+        const bool keep = i < s1 && (by_key ? float_key(v) >= fkey_s
+                                            : top_p_bin_dist(v, mx) < lim &&
+                                                  (!kFloor || float_key(v) >= kfloor));
         const unsigned bal = __ballot_sync(0xffffffffu, keep);
         const unsigned k = at + __popc(bal & lt);
         if (keep && k < (unsigned)kSampleThreads) {  // k < n by construction; guard anyway
@@ -669,7 +1032,29 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
   const int n_ctx = min(pos_ptr[0] + 1, ctx_capacity);
   const int window = (last_n < 0 || last_n > n_ctx) ? n_ctx : (int)last_n;
   if (penalty != 1.0f && window > 0) {
-    for (int i = threadIdx.x; i < V; i += kSampleThreads) work[i] = logits[i];
+    // the copy as float4 with four in flight per thread where both are 16-byte aligned (one
+    // dependent 4-byte load per iteration left it bound by L2 latency)
+    int v4 = 0;
+    if (((reinterpret_cast<uintptr_t>(logits) | reinterpret_cast<uintptr_t>(work)) & 15u) == 0) {
+      v4 = V / 4;
+      const float4* s4 = reinterpret_cast<const float4*>(logits);
+      float4* d4 = reinterpret_cast<float4*>(work);
+      constexpr int kIn = 4;
+      for (int i0 = threadIdx.x; i0 < v4; i0 += kIn * kSampleThreads) {
+        float4 f[kIn];
+#pragma unroll
+        for (int u = 0; u < kIn; ++u) {
+          const int i = i0 + u * kSampleThreads;
+          if (i < v4) f[u] = s4[i];
+        }
+#pragma unroll
+        for (int u = 0; u < kIn; ++u) {
+          const int i = i0 + u * kSampleThreads;
+          if (i < v4) d4[i] = f[u];
+        }
+      }
+    }
+    for (int i = 4 * v4 + threadIdx.x; i < V; i += kSampleThreads) work[i] = logits[i];
     __syncthreads();
     for (int i = threadIdx.x; i < window; i += kSampleThreads) {
       const int id = ctx_tokens[n_ctx - window + i];
@@ -690,28 +1075,37 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
     return;  // uniform over the block
   }
 
+  // params_i[3] != 0: the full path alone (the radix passes): the A/B reference
+  // tests/gpu/test_sampler_fast.py and bench_step.py hold the fast paths to, token for token
+  const bool full_path = params_i[3] != 0;
   // 3. top-k. Up to kSampleThreads (the usual 40): a lower bound from the per-thread maxima,
   // then steps 4-6 on the few tokens above it (sample_top_k_fast)
-  if (top_k > 0 && top_k <= kSampleThreads &&
+  const bool use_top_k = top_k > 0 && top_k < V;
+  if (!full_path && use_top_k && top_k <= kSampleThreads &&
       sample_top_k_fast(out_token, src, V, (int)top_k, mx, temperature, top_p, min_p, seed,
                         counter, sh))
     return;  // block-uniform
-  // 3'. top-k off (top_k <= 0) with top-p: a bound from a distance histogram, then steps 4-6
-  // on the few tokens above it (sample_top_p_fast); the same token as the full path below.
-  // top_k >= V is off too but deliberately keeps the full path: tests/gpu/test_sampler_fast.py
-  // uses it as the reference the fast path must match token for token.
+  // 3'. the k-th largest key by distance histograms (top_k_threshold_wide), else the radix
+  uint32_t floor_key = 0;
+  bool have_floor = !use_top_k;
+  if (!full_path && use_top_k)
+    have_floor = top_k_threshold_wide(src, V, mx, (int)top_k, sh, &floor_key);
+  // 4'. top-p over the survivors by distance histograms (sample_top_p_fast); the same token
+  // as the full path below
   unsigned long long z_all = 0;
   bool z_known = false;
-  if (top_k <= 0 && top_p < 1.0f &&
-      sample_top_p_fast(out_token, src, V, mx, temperature, top_p, min_p, seed, counter, sh,
-                        z_all, z_known))
+  // (top_k <= kSampleThreads: the list below, as on the full path, which draws in its order)
+  if (!full_path && have_floor && top_p < 1.0f && !(use_top_k && top_k <= kSampleThreads) &&
+      (use_top_k ? sample_top_p_fast<true>(out_token, src, V, floor_key, mx, temperature, top_p,
+                                           min_p, seed, counter, sh, z_all, z_known)
+                 : sample_top_p_fast<false>(out_token, src, V, 0u, mx, temperature, top_p,
+                                            min_p, seed, counter, sh, z_all, z_known)))
     return;  // block-uniform
-  uint32_t floor_key = 0;
-  if (top_k > 0 && top_k < V)
+  if (use_top_k && !have_floor)
     floor_key = radix_threshold<false>(src, V, 0u, mx, (unsigned long long)top_k, sh);
 
-  // 3b. radix top-k left at most one survivor per thread: finish on a compact list
-  if (top_k > 0 && top_k <= kSampleThreads) {
+  // 3b. top-k left at most one survivor per thread: finish on a compact list
+  if (use_top_k && top_k <= kSampleThreads) {
     const CompactSmem c = compact_smem();
     const int n = compact_candidates(src, V, floor_key, c, sh);
     if (n <= kSampleThreads) {
@@ -723,7 +1117,7 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
 
   // 4. top-p over the softmax of the top-k survivors
   if (top_p < 1.0f) {
-    unsigned long long z = z_all;  // sample_top_p_fast's z when it fell back (floor_key 0)
+    unsigned long long z = z_all;  // sample_top_p_fast's z when it fell back (same floor)
     if (!z_known) {
       for (int i = threadIdx.x; i < V; i += kSampleThreads) {
         const float v = src[i];
@@ -738,29 +1132,7 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
   if (min_p > 0.f) floor_key = max(floor_key, float_key(min_p_floor(mx, min_p)));
 
   // 6. temperature + draw
-  const float inv_t = 1.0f / temperature;
-  const int chunk = (V + kSampleThreads - 1) / kSampleThreads;
-  const int c0 = min(V, threadIdx.x * chunk), c1 = min(V, c0 + chunk);
-  unsigned long long mine = 0;
-  for (int i = c0; i < c1; ++i) {
-    const float v = src[i];
-    if (float_key(v) >= floor_key) mine += fixed_mass(v, mx, inv_t);
-  }
-  unsigned long long total;
-  const unsigned long long excl = block_excl_scan_u64(mine, sh, total);
-  if (threadIdx.x == 0) out_token[0] = sh.max_idx;  // fallback, overwritten below
-  __syncthreads();
-  const unsigned long long pick = draw_pick(counter, seed, total);
-  if (mine > 0 && excl <= pick && pick < excl + mine) {
-    unsigned long long acc = excl;
-    for (int i = c0; i < c1; ++i) {
-      const float v = src[i];
-      if (float_key(v) >= floor_key) {
-        acc += fixed_mass(v, mx, inv_t);
-        if (acc > pick) { out_token[0] = i; break; }
-      }
-    }
-  }
+  draw_full(out_token, src, V, floor_key, mx, temperature, seed, counter, sh);
 }
 
 cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, int V,
@@ -771,10 +1143,10 @@ cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, i
     return nq_fail(cudaErrorInvalidValue, "sample_token: V=%d and ctx_capacity=%d must be >= 1", V,
                    ctx_capacity);
   // > 48 KB of dynamic shared memory needs the attribute (common.cuh: once per process)
-  static const cudaError_t attr = set_max_smem(sample_kernel, kWarpHistBytes);
-  if (attr != cudaSuccess) return smem_refused(attr, "sample_token: sample_kernel", kWarpHistBytes);
+  static const cudaError_t attr = set_max_smem(sample_kernel, kSampleSmemBytes);
+  if (attr != cudaSuccess) return smem_refused(attr, "sample_token: sample_kernel", kSampleSmemBytes);
   const cudaError_t e = launch_pdl("sample_kernel", sample_kernel, dim3(1), dim3(kSampleThreads),
-                                   kWarpHistBytes, stream, out_token, work, logits, V, ctx_tokens,
+                                   kSampleSmemBytes, stream, out_token, work, logits, V, ctx_tokens,
                                    ctx_capacity, pos, params_f, params_i, counter);
   if (e == cudaSuccess) return e;
   return nq_fail(e, "sample_token: V=%d ctx_capacity=%d: %s", V, ctx_capacity,

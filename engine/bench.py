@@ -3,7 +3,10 @@
     nanoqwen bench [--model FILE | --synthetic PRESET] [--backend auto|cuda|reference] ...
 
 For each decode mode of the backend: `-r` timed repetitions (after one warm-up) of: empty
-cache, prefill `-p` random prompt ids, then `-n` greedy tokens (no stop ids). All times are the
+cache, prefill `-p` random prompt ids, then `-n` tokens (no stop ids), greedy unless a sampler
+flag is given (`--temp --top-k --top-p --min-p --repeat-penalty --repeat-last-n --seed`, as
+`nanoqwen generate` takes them, over the app's defaults; the seed is fixed: every repetition
+draws the same tokens, so the sampler's cost is the difference to the greedy rows). All times are the
 backend's own per-step timing (StepEvent.step_ms: CUDA events on the GPU; on the reference
 backend the wall clock around each step of its compute thread, the consumer's time excluded):
   TTFT      the first event's step_ms: prefill of the prompt + the first sample
@@ -24,6 +27,7 @@ tensors `nanoqwen convert --synthetic PRESET` writes (seed 0; engine/synthetic.p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -55,7 +59,9 @@ def _size_str(n: int) -> str:
 
 
 def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
-              seed: int = 0) -> list[dict]:
+              seed: int = 0, params=None) -> list[dict]:
+    """llama-bench's pp/tg rows per mode; decode samples with `params` (SamplerParams;
+    None: greedy, llama-bench's and the figures' default)."""
     import torch
 
     from .rates import median_ms, tokens_per_s
@@ -64,14 +70,16 @@ def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
     cfg = backend.config
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (n_prompt,), generator=g).tolist()
-    greedy = SamplerParams.greedy_params()
+    sampler = params if params is not None else SamplerParams.greedy_params()
+    if not sampler.greedy and sampler.seed < 0:
+        sampler = dataclasses.replace(sampler, seed=seed)  # the same draws every repetition
     rows = []
     for mode in modes:
         backend.mode = mode
         ttft, mspt = [], []
         for r in range(reps + 1):  # repetition 0 warms up (graph upload, cuBLAS handles)
             backend.truncate(0)
-            events = list(backend.generate(prompt, greedy, max_new_tokens=n_gen + 1))
+            events = list(backend.generate(prompt, sampler, max_new_tokens=n_gen + 1))
             if r == 0:
                 continue
             ttft.append(events[0].step_ms)
@@ -84,7 +92,7 @@ def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
         kv_bytes = 2 * cfg.num_hidden_layers * mean_ctx * cfg.kv_size * 2
         gbs = (cfg.decode_bytes_per_token() + kv_bytes) / (d_ms * 1e-3) / 1e9
         common = dict(model=cfg.name, backend=backend.name, device=backend.device_name,
-                      mode=mode, reps=reps)
+                      mode=mode, reps=reps, sampler=sampler_label(sampler))
         rows.append(dict(common, test=f"pp{n_prompt}", tokens_per_s=tokens_per_s(n_prompt, t_ms),
                          ttft_ms=t_ms, ttft_all=ttft))
         bw = {} if backend.name != "cuda" else dict(
@@ -108,6 +116,31 @@ def format_table(rows: list[dict], size_bytes: int) -> str:
     return "\n".join(lines)
 
 
+def sampler_label(p) -> str:
+    """"greedy", or the settings that shape the draw (as llama.cpp's flags name them)."""
+    if p.greedy:
+        return "greedy"
+    return (f"temp {p.temperature:g}, top-k {p.top_k}, top-p {p.top_p:g}, min-p {p.min_p:g}, "
+            f"repeat-penalty {p.repeat_penalty:g} (last {p.repeat_last_n})")
+
+
+def bench_sampler(args):
+    """SamplerParams from bench's sampler flags: None (greedy) when none is given; otherwise
+    the defaults of SamplerParams (llama.cpp's, the app's) under the flags given."""
+    from .cli_generate import _FLAGS
+    from .errors import NanoqwenError
+    from .sampling import SamplerParams
+
+    given = {fld: getattr(args, flag) for flag, fld in _FLAGS.items()
+             if getattr(args, flag, None) is not None}
+    if not given:
+        return None
+    try:
+        return SamplerParams(**{**SamplerParams().to_dict(), **given}).validate()
+    except ValueError as e:
+        raise NanoqwenError(str(e)) from e
+
+
 def cli_bench(args) -> int:
     from .cli import write_stdout
     from .config import ModelConfig
@@ -123,6 +156,7 @@ def cli_bench(args) -> int:
     for name in ("n_prompt", "n_gen", "repetitions"):
         if getattr(args, name) < 1:
             raise NanoqwenError(f"--{name.replace('_', '-')} must be at least 1")
+    params = bench_sampler(args)
 
     # a repetition forwards the prompt and makes n decode steps: p + n positions (the last of
     # its n + 1 tokens is sampled, not forwarded); the cache gets 16 more where the model has them
@@ -164,20 +198,23 @@ def cli_bench(args) -> int:
         if missing:
             raise NanoqwenError(f"--mode {','.join(missing)}: the {backend.name} backend has "
                                 f"only {', '.join(backend.modes)}")
-        rows = run_bench(backend, args.n_prompt, args.n_gen, args.repetitions, modes)
+        rows = run_bench(backend, args.n_prompt, args.n_gen, args.repetitions, modes,
+                         params=params)
         prefill = getattr(backend, "prefill_weights", None)
         if args.json:
             write_stdout(json.dumps(dict(source=source, backend=backend.name,
                                   device=backend.device_name, commit=_commit(), load_s=load_s,
                                   prefill_weights=prefill, weight_bytes=size,
                                   n_prompt=args.n_prompt, n_gen=args.n_gen,
+                                  sampler=rows[0]["sampler"],
                                   threads=_threads(backend), date=time.strftime("%Y-%m-%d"),
                                   rows=rows), indent=2) + "\n")
         else:
             write_stdout(f"# {source} on {backend.device_name} ({backend.name} backend), "
                          f"commit {_commit()}, {time.strftime('%Y-%m-%d')}, load {load_s:.1f} s"
                          + (f", prefill weights {prefill}" if prefill else "")
-                         + f", medians of {args.repetitions} reps\n")
+                         + f", medians of {args.repetitions} reps, sampler "
+                         + rows[0]["sampler"] + "\n")
             write_stdout(format_table(rows, size) + "\n")
     finally:
         if loaded is not None:

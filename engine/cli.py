@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-t", "--threads", type=int, default=None,
                     help="CPU threads of the reference backend (default: one per core)")
     b.add_argument("--json", action="store_true")
+    add_sampler_args(b)  # decode samples greedily unless one is given (bench.bench_sampler)
     return ap
 
 

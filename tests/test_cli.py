@@ -226,6 +226,54 @@ def test_bench_reference_backend(tiny_model_path, capsys):
     assert "gb_per_s" not in tg  # INT4 bandwidth means nothing for fp32 weights on the CPU
 
 
+def test_bench_sampler_flags(tiny_model_path, capsys):
+    """Decode samples with the flags given over the app's defaults (greedy without any); the
+    rows and the header say which sampler ran; a bad value is refused naming the setting."""
+    import json
+    base = ["bench", "--backend", "reference", "-m", str(tiny_model_path), "-p", "8", "-n", "4",
+            "-r", "1", "--json"]
+    assert main(base) == 0
+    assert json.loads(capsys.readouterr().out)["sampler"] == "greedy"
+    assert main(base + ["--top-k", "0", "--top-p", "0.8", "--repeat-penalty", "1.1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = ("temp 0.8, top-k 0, top-p 0.8, min-p 0.05, repeat-penalty 1.1 (last 64)")
+    assert out["sampler"] == want and all(r["sampler"] == want for r in out["rows"])
+    assert main(base + ["--top-p", "1.5"]) == 1
+    err = capsys.readouterr().err
+    assert "top_p=1.5 is invalid" in err and len(err.splitlines()) == 1, err
+
+
+def test_bench_sampler_draws_the_same_tokens_every_repetition(tiny_model_path):
+    """A sampled bench fixes the seed, so its repetitions (and the warm-up) time the same
+    tokens; at temperature 1.5 over the whole vocabulary they are not the greedy ones."""
+    from nanoqwen.engine import loader
+    from nanoqwen.engine.bench import run_bench
+    from nanoqwen.engine.sampling import SamplerParams
+
+    loaded = loader.load(tiny_model_path, backend="reference", max_context=64)
+    try:
+        be = loaded.backend
+        runs = []
+        real = be.generate
+
+        def generate(prompt, params, max_new_tokens):  # the real decode, its tokens noted
+            runs.append([])
+            for ev in real(prompt, params, max_new_tokens):
+                runs[-1].append(ev.token_id)
+                yield ev
+        be.generate = generate
+        run_bench(be, 8, 12, 2, ["eager"], params=SamplerParams(temperature=1.5, top_k=0,
+                                                                top_p=1.0, min_p=0.0))
+        sampled = runs[:]
+        runs.clear()
+        run_bench(be, 8, 12, 1, ["eager"])
+        greedy = runs[0]
+    finally:
+        loaded.close()
+    assert len(sampled) == 3 and sampled[0] == sampled[1] == sampled[2], sampled
+    assert sampled[0] != greedy
+
+
 def test_bench_defaults_to_the_bundled_model(capsys):
     if not default_model_path().is_file():
         pytest.skip("the bundled model is absent")

@@ -1,11 +1,11 @@
-"""sample_token's top-p / min-p fast path with top-k off (csrc/sampling.cu, sample_top_p_fast)
-against the full radix path and the reference sampler (engine/sampling.py).
+"""sample_token's fast paths (csrc/sampling.cu: sample_top_p_fast with its wide path for flat
+rows, top_k_threshold_wide for k beyond the compact list) against the full radix path and the
+reference sampler (engine/sampling.py).
 
-The fast path runs for top_k <= 0 with top_p < 1. top_k >= V means "off" as well (the reference
-sampler's `0 < top_k < V` test) but deliberately keeps the full path, so the same op with
-top_k = V + 1024 is the reference here: both must draw the same token for every counter (same
-kept set, same fixed-point weights, same id-order walk of the draw). Equality alone would also
-hold if the fast path never ran, so test_fast_path_is_taken times both.
+params_i[3] = 1 makes the same op take the full path alone (the radix passes), the reference
+here: both must draw the same token for every counter (same kept set, same fixed-point
+weights, same id-order walk of the draw). Equality alone would also hold if the fast path
+never ran, so test_fast_path_is_taken times both.
 
     pytest tests/gpu/test_sampler_fast.py -v
 """
@@ -30,14 +30,16 @@ def ops():
 
 
 def state(V: int, top_k: int, top_p: float, min_p: float, temperature: float = 0.8,
-          seed: int = 1234):
-    """(params_f, params_i, ctx_tokens, pos) for one setting; no repetition penalty."""
+          seed: int = 1234, full: bool = False):
+    """(params_f, params_i, ctx_tokens, pos) for one setting; no repetition penalty; `full`:
+    the full (radix) path alone."""
     from nanoqwen.engine.ops import sampler_tensors
     from nanoqwen.engine.sampling import SamplerParams
 
     params = SamplerParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                            repeat_penalty=1.0)
     pf, pi = sampler_tensors(params, seed, "cuda")
+    pi[3] = int(full)
     ctx = torch.zeros(16, dtype=torch.int32, device="cuda")
     pos = torch.zeros(1, dtype=torch.int32, device="cuda")
     return pf, pi, ctx, pos
@@ -100,8 +102,12 @@ def make_logits(kind: str, V: int, gen) -> torch.Tensor:
     elif kind == "tie_3000":  # 3000 tied at the max: more than the list holds -> full path
         x *= 2
         x[some_ids(V, 3000, gen)] = 15.0
-    elif kind == "flat":  # top-p keeps most of the vocabulary -> full path
+    elif kind == "flat":  # top-p keeps most of the vocabulary: t* from one bin's sub-bins
         x *= 0.5
+    elif kind == "flat_wide":  # kept sets of thousands to tens of thousands over many bins
+        x *= 1.5
+    elif kind == "flat_ties":  # logits on a 1/256-nat grid: every sub-bin one value, tied
+        x = torch.round(x * 0.5 * 256) / 256
     elif kind == "neginf":  # -inf everywhere but 300 ids
         keep = some_ids(V, 300, gen)
         y = torch.full((V,), -math.inf, device="cuda")
@@ -121,21 +127,21 @@ def make_logits(kind: str, V: int, gen) -> torch.Tensor:
 
 
 KINDS = ["peaked", "peaked_first", "peaked_last", "zipf", "dense_top", "ties", "tie_600",
-         "tie_3000", "flat", "neginf", "huge"]
+         "tie_3000", "flat", "flat_wide", "flat_ties", "neginf", "huge"]
 
 
 @pytest.mark.parametrize("V", [152064, 151936, 33333, 1025, 1000, 5])
 @pytest.mark.parametrize("kind", KINDS)
 def test_fast_path_equals_full_path(gen, kind, V):
     """For top_p in {0.5, 0.9, 0.95, 0.999} x min_p in {0, 0.05}: top_k 0 (fast path, or its
-    fallback) and top_k V + 1024 (always the full radix path) draw the same token for 16
+    fallback) and the full radix path draw the same token for 16
     counters, and every token is in the reference sampler's kept set."""
     logits = make_logits(kind, V, gen)
     counters = range(100, 116)
     for top_p in TOP_P:
         for min_p in MIN_P:
             fast = draws(logits, state(V, 0, top_p, min_p), counters)
-            full = draws(logits, state(V, V + 1024, top_p, min_p), counters)
+            full = draws(logits, state(V, 0, top_p, min_p, full=True), counters)
             where = f"{kind} V={V} top_p={top_p} min_p={min_p}"
             assert fast == full, f"{where}: fast {fast} != full {full}"
             # The kernel's fixed-point masses and the reference's fp64 cumsum could only
@@ -144,6 +150,35 @@ def test_fast_path_equals_full_path(gen, kind, V):
             ref = reference_set(logits, top_p, min_p)
             bad = [t for t in fast if t not in ref]
             assert not bad, f"{where}: tokens {bad} outside the kept set (size {len(ref)})"
+
+
+# rows with ties at the cuts (csrc/sampling.cu keeps all tokens tied at the k-th value)
+TIED = {"ties", "tie_600", "tie_3000", "flat_ties"}
+
+
+@pytest.mark.parametrize("V", [152064, 33333, 1025])
+@pytest.mark.parametrize("kind", KINDS)
+def test_top_k_beyond_the_list_equals_full_path(gen, kind, V):
+    """top_k from 1000 to 50000 (and V - 1, and >= V: off), alone and with top-p / min-p: the
+    fast paths (top_k_threshold_wide, then sample_top_p_fast over its survivors, or the list)
+    and the full path draw the same token for 16 counters, inside the reference's kept set."""
+    from nanoqwen.engine.sampling import SamplerParams, _candidates
+
+    logits = make_logits(kind, V, gen)
+    counters = range(200, 216)
+    for top_k in sorted({1000, 1500, 5000, 50000, V - 1, V, V + 7}):
+        for top_p, min_p in [(1.0, 0.0), (0.9, 0.0), (0.95, 0.05), (1.0, 0.05)]:
+            fast = draws(logits, state(V, top_k, top_p, min_p), counters)
+            full = draws(logits, state(V, top_k, top_p, min_p, full=True), counters)
+            where = f"{kind} V={V} top_k={top_k} top_p={top_p} min_p={min_p}"
+            assert fast == full, f"{where}: fast {fast} != full {full}"
+            if kind in TIED:
+                continue  # the kernel keeps every tie at the cut, torch.topk exactly k of them
+            _, ids = _candidates(logits.cpu(), SamplerParams(temperature=0.8, top_k=top_k,
+                                                             top_p=top_p, min_p=min_p))
+            kept = set(ids.tolist())
+            bad = [t for t in fast if t not in kept]
+            assert not bad, f"{where}: tokens {bad} outside the kept set (size {len(kept)})"
 
 
 @pytest.mark.parametrize("min_p", MIN_P)
@@ -156,7 +191,7 @@ def test_single_pos_inf(gen, min_p):
     logits[hot] = math.inf
     for top_p in TOP_P:
         fast = draws(logits, state(V, 0, top_p, min_p), range(8))
-        full = draws(logits, state(V, V + 1024, top_p, min_p), range(8))
+        full = draws(logits, state(V, 0, top_p, min_p, full=True), range(8))
         assert fast == full == [hot] * 8, (top_p, fast, full)
 
 
@@ -193,6 +228,41 @@ def test_fast_path_distribution(gen, top_p, min_p, temperature):
         assert pval > 1e-4, (chi2, dof, pval, len(ref))
     tv = 0.5 * sum(abs(counts.get(t, 0) / n - p) for t, p in ref.items())
     assert tv < 0.05, tv  # noise of 20000 draws over <= 50 outcomes is ~0.02
+
+
+@pytest.mark.parametrize("kind,top_p,min_p", [("flat", 0.9, 0.0), ("flat_wide", 0.8, 0.0),
+                                              ("flat", 0.95, 0.05)])
+def test_wide_path_distribution(gen, kind, top_p, min_p):
+    """20000 draws on a flat row, where the kept set has thousands of tokens (t* from the
+    sub-bins, the whole-vocabulary draw), against the reference probabilities: the kept tokens
+    sorted by logit and cut into 40 groups of equal reference mass, a chi-square over the
+    groups' counts (each expects 500: a misplaced threshold or a biased walk shifts mass
+    between groups far beyond that noise)."""
+    V = 152064
+    logits = make_logits(kind, V, gen)
+    ref = reference_set(logits, top_p, min_p)
+    assert len(ref) > 2000, len(ref)  # the wide path, not the list
+    n, groups = 20000, 40
+    toks = draws(logits, state(V, 0, top_p, min_p, seed=7), range(n))
+    bad = [t for t in toks if t not in ref]
+    assert not bad, f"{len(bad)} tokens outside the kept set"
+    order = sorted(ref, key=lambda t: -float(logits[t]))
+    cum, group_of = 0.0, {}
+    for t in order:
+        group_of[t] = min(int(cum * groups), groups - 1)
+        cum += ref[t]
+    mass = [0.0] * groups
+    for t in order:
+        mass[group_of[t]] += ref[t]
+    counts = [0] * groups
+    for t in toks:
+        counts[group_of[t]] += 1
+    chi2 = sum((c - n * m) ** 2 / (n * m) for c, m in zip(counts, mass) if m > 0)
+    dof = sum(m > 0 for m in mass) - 1
+    # p-value as in test_fast_path_distribution (1e-4: a 1-in-10^4 false alarm)
+    pval = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(chi2 / 2, dtype=torch.float64)))
+    assert pval > 1e-4, (chi2, dof, pval, len(ref))
 
 
 def test_graph_replay_equals_eager(gen):
@@ -241,18 +311,31 @@ def median_us(logits: torch.Tensor, st, reps: int = 30) -> float:
 
 def test_fast_path_is_taken(gen):
     """The equality tests pass trivially if the fast path always falls back; timing is the one
-    outside view of which path ran. Predicted ~30 us (fast) vs ~500 us (radix) on the H200;
-    a fallback costs about the full path, so half of it separates the two with a wide margin."""
+    outside view of which path ran. Predicted ~30 us (fast) vs ~500 us (radix) on the H200,
+    ~50 us on a flat row (the wide path); a fallback costs about the full path, so half of it
+    separates the two with a wide margin."""
     V = 152064
     logits = make_logits("peaked", V, gen)
     for top_p, min_p in [(0.9, 0.0), (0.95, 0.05)]:
         fast = median_us(logits, state(V, 0, top_p, min_p))
-        full = median_us(logits, state(V, V + 1024, top_p, min_p))
+        full = median_us(logits, state(V, 0, top_p, min_p, full=True))
         print(f"peaked top_p={top_p} min_p={min_p}: fast path {fast:.1f} us, full path "
               f"{full:.1f} us")
         assert fast < 0.5 * full, (fast, full)
     flat = make_logits("flat", V, gen)
-    fb = median_us(flat, state(V, 0, 0.9, 0.0))
-    full = median_us(flat, state(V, V + 1024, 0.9, 0.0))
-    # reported, not asserted: the fallback's extra cost (histogram pass, then the radix path)
-    print(f"flat top_p=0.9 (fallback): {fb:.1f} us, full path {full:.1f} us")
+    for top_p, min_p in [(0.9, 0.0), (0.95, 0.05)]:
+        wide = median_us(flat, state(V, 0, top_p, min_p))
+        full = median_us(flat, state(V, 0, top_p, min_p, full=True))
+        print(f"flat top_p={top_p} min_p={min_p}: wide path {wide:.1f} us, full path "
+              f"{full:.1f} us")
+        assert wide < 0.5 * full, (wide, full)
+    for top_k in (1500, 50000):
+        wide = median_us(flat, state(V, top_k, 1.0, 0.0))
+        full = median_us(flat, state(V, top_k, 1.0, 0.0, full=True))
+        print(f"flat top_k={top_k}: wide path {wide:.1f} us, full path {full:.1f} us")
+        assert wide < 0.5 * full, (wide, full)
+    ties = make_logits("tie_3000", V, gen)
+    fb = median_us(ties, state(V, 0, 0.9, 0.0))
+    full = median_us(ties, state(V, 0, 0.9, 0.0, full=True))
+    # reported, not asserted: the fallback's extra cost (histogram passes, then the radix path)
+    print(f"tie_3000 top_p=0.9 (fallback): {fb:.1f} us, full path {full:.1f} us")
