@@ -24,6 +24,7 @@ import sys
 
 from .errors import NanoqwenError
 from .service import BACKENDS, MODES
+from .spec import SPEC_MODES
 
 EXIT_SIGPIPE = 128 + 13
 
@@ -93,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CPU threads of the reference backend (default: one per core)")
     g.add_argument("--mode", choices=MODES, default="graph", help="CUDA decode mode")
     g.add_argument("--stats", action="store_true", help="print timing to stderr at the end")
+    g.add_argument("--spec", choices=("off",) + SPEC_MODES, default="off",
+                   help="speculative decoding: ngram = prompt lookup (reference backend)")
     add_sampler_args(g)
 
     b = sub.add_parser("bench", help="pp/tg benchmark in llama-bench's terms")

@@ -62,6 +62,12 @@ def cli_generate(args) -> int:
     try:
         info = engine.info
         params = sampler_params(args, info.generation)
+        spec = getattr(args, "spec", "off")
+        if spec != "off":
+            try:
+                engine.set_spec(spec)
+            except ValueError as e:
+                raise NanoqwenError(f"--spec {spec}: {e}") from e
         max_new = info.max_context if n == -1 else n
         if args.stats and info.fallback:
             print(f"backend: reference ({info.fallback})", file=sys.stderr)
@@ -108,4 +114,12 @@ def format_stats(s: StatsUpdate, backend: str, seen: SeenMeter) -> str:
         f"engine: decode {decode}; TTFT {_num(s.ttft_ms, '.1f', 'ms')}",
         f"stdout: TTFT {_num(seen.ttft_ms, '.1f', 'ms')} (request to first character); text "
         f"{_num(seen.tokens_per_s, '.1f', 'tok/s')} (first to last write)",
-    ])
+    ] + ([spec_line(s)] if s.spec else []))
+
+
+def spec_line(s: StatsUpdate) -> str:
+    """--stats' speculation line: drafted, accepted, acceptance, effective ms per token."""
+    rate = f"{100 * s.n_accepted / s.n_drafted:.0f}%" if s.n_drafted else "-"
+    eff = _num(1e3 / s.tokens_per_s if s.tokens_per_s else None, ".2f", "ms/token")
+    return (f"spec {s.spec}: drafted {s.n_drafted}, accepted {s.n_accepted} ({rate}); "
+            f"effective {eff} (decode time / tokens after the first)")

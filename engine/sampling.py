@@ -255,3 +255,38 @@ class Sampler:
         u = torch.rand((), generator=self._gen, dtype=torch.float64) * cdf[-1]
         i = min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
         return int(ids[i])
+
+    def verify(self, logits: torch.Tensor, history: Sequence[int], draft: int
+               ) -> tuple[int, bool]:
+        """Speculative decoding's rule for one drafted id (engine/spec.py), as (token, kept).
+
+        Greedy: the argmax, kept iff it is the draft. Sampling (the drafter is deterministic,
+        so its distribution q is a point mass at `draft`): the draft is kept with probability
+        p(draft), else the token is drawn from the residual max(p - q, 0) renormalised (p
+        without the draft). P(token = x) = p(d) [x = d] + (1 - p(d)) p(x) / (1 - p(d)) [x != d]
+        = p(x): the same distribution as sample()'s, so speculation changes no reply's law.
+        """
+        import torch
+
+        p = self.params
+        if p.greedy:
+            t = self.sample(logits, history)
+            return t, t == draft
+        logits = logits.detach().to(device="cpu", dtype=torch.float32)
+        logits = apply_repeat_penalty(logits, history, p.repeat_penalty, p.repeat_last_n)
+        vals, ids = _candidates(logits, p)
+        probs = torch.softmax(vals / p.temperature, 0).double()
+        at = torch.nonzero(ids == int(draft)).flatten()
+        p_d = float(probs[at[0]]) if len(at) else 0.0
+        u = float(torch.rand((), generator=self._gen, dtype=torch.float64))
+        if u < p_d:
+            return int(draft), True
+        if len(at):
+            probs = probs.clone()
+            probs[at[0]] = 0.0
+        cdf = torch.cumsum(probs, 0)
+        if float(cdf[-1]) <= 0.0:   # p(draft) rounded to 1 and u landed above it
+            return int(draft), True
+        u2 = torch.rand((), generator=self._gen, dtype=torch.float64) * cdf[-1]
+        i = min(int(torch.searchsorted(cdf, u2, right=True)), len(cdf) - 1)
+        return int(ids[i]), False

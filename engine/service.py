@@ -71,6 +71,9 @@ class StatsUpdate:
     n_prompt: int | None = None                # final only: tokens of the rendered prompt
     n_prefilled: int | None = None             # final only: of those, forwarded this turn
     prefill_tokens_per_s: float | None = None  # final only: n_prefilled / TTFT
+    spec: str | None = None                    # final only: speculative decoding (spec.py)
+    n_drafted: int = 0                         # final only: ids drafted
+    n_accepted: int = 0                        # final only: of those, kept
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,17 @@ class EngineService:
         """Switch graph/eager; the backend reads it before each token, so no reload.
         Raises ValueError (with the supported modes) if the backend lacks it."""
         self.backend.mode = mode
+
+    # --- speculative decoding -----------------------------------------------------------------
+    @property
+    def spec(self) -> str | None:
+        return self.backend.spec
+
+    def set_spec(self, spec: str | None) -> None:
+        """Speculative decoding for the next turns: None (off) or one of the backend's
+        spec_modes ("ngram": prompt lookup, engine/spec.py). Raises ValueError naming what
+        the backend has (the CUDA engine has no k-token verify step yet: none)."""
+        self.backend.spec = spec
 
     # --- generation -------------------------------------------------------------------------
     def count_tokens(self, history: list[dict], system_prompt: str = "") -> int:
@@ -363,7 +377,8 @@ class _StatsAccumulator:
             u = StatsUpdate(f.ttft_ms, self.latest, f.ms_per_token, f.tokens_per_s,
                             tuple(self.new), f.n_generated, f.kv_len, f.max_context, f.mode,
                             final=True, n_prompt=f.n_prompt, n_prefilled=f.n_prefilled,
-                            prefill_tokens_per_s=f.prefill_tokens_per_s, **rolling)
+                            prefill_tokens_per_s=f.prefill_tokens_per_s, spec=f.spec,
+                            n_drafted=f.n_drafted, n_accepted=f.n_accepted, **rolling)
         else:
             be = self.backend
             u = StatsUpdate(self.ttft, self.latest, None,

@@ -73,6 +73,10 @@ class Stats:
     n_reused: int = 0                # prompt tokens whose K/V came from the cache
     prefill_tokens_per_s: float | None = None
     backend: str = ""
+    spec: str | None = None          # speculative decoding of the turn (engine/spec.py)
+    n_drafted: int = 0               # ids the drafter proposed
+    n_accepted: int = 0              # of those, kept (each also saved a decode step)
+    n_verify_steps: int = 0          # multi-token forwards that verified a draft
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,8 @@ def run_turn(backend, tokenizer, prompt_ids: Sequence[int], params, max_new_toke
     else:
         reason = "context"
     decode = step_ms[1:]
+    spec = getattr(backend, "spec", None)
+    sst = (getattr(backend, "spec_stats", None) or {}) if spec else {}
     n_prefilled = len(prompt_ids) - n_reuse
     yield Stats(
         ttft_ms=step_ms[0] if step_ms else 0.0,
@@ -184,7 +190,8 @@ def run_turn(backend, tokenizer, prompt_ids: Sequence[int], params, max_new_toke
         max_context=backend.max_context, mode=backend.mode, n_prefilled=n_prefilled,
         n_reused=n_reuse,
         prefill_tokens_per_s=tokens_per_s(n_prefilled, step_ms[0]) if step_ms else None,
-        backend=backend.name)
+        backend=backend.name, spec=spec, n_drafted=sst.get("drafted", 0),
+        n_accepted=sst.get("accepted", 0), n_verify_steps=sst.get("verify_steps", 0))
     yield Done(reason)
 
 

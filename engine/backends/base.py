@@ -48,12 +48,17 @@ class Backend:
     name: str = "base"
     device_name: str = "cpu"
     modes: tuple[str, ...] = ("eager",)
+    # speculative decoding this backend can verify (engine/spec.py; needs forward_all)
+    spec_modes: tuple[str, ...] = ()
 
     def __init__(self, config: ModelConfig, max_context: int) -> None:
         self.config = config
         self.max_context = config.check_context(max_context)  # NanoqwenError with the numbers
         self.kv_tokens: list[int] = []
         self._mode = self.modes[0]
+        self._spec: str | None = None
+        # the latest turn's speculation figures: drafted / accepted ids, verify steps
+        self.spec_stats: dict[str, int] = {}
 
     # --- mode -------------------------------------------------------------------------
     @property
@@ -67,6 +72,20 @@ class Backend:
             raise ValueError(f"mode {value!r} is not supported by the {self.name} backend "
                              f"(supported: {', '.join(self.modes)})")
         self._mode = value
+
+    # --- speculative decoding ------------------------------------------------------------
+    @property
+    def spec(self) -> str | None:
+        return self._spec
+
+    @spec.setter
+    def spec(self, value: str | None) -> None:
+        # Read when a turn starts (generate_chunks): a change applies from the next turn.
+        if value is not None and value not in self.spec_modes:
+            have = ", ".join(self.spec_modes) or "none yet"
+            raise ValueError(f"speculative decoding {value!r} is not available on the "
+                             f"{self.name} backend (available: {have})")
+        self._spec = value
 
     # --- primitives for subclasses ------------------------------------------------------
     def _forward(self, tokens: list[int], pos: int) -> torch.Tensor:
@@ -146,8 +165,103 @@ class Backend:
         passed since the previous yield, or when the turn ends. `kv_tokens` holds every
         yielded token but the last one at each suspension, as with `generate()`.
         """
+        if self._spec is not None:
+            from ..sampling import Sampler
+
+            new = self.prepare_generate(new_tokens, params, max_new_tokens)
+            return self._spec_chunks(new, Sampler(params), max_new_tokens, frozenset(stop_ids),
+                                     cancel, window_s)
         return group_steps(self.generate(new_tokens, params, max_new_tokens, stop_ids, cancel),
                            window_s)
+
+    def _compute(self, fn: Callable, *args):
+        """Run fn(*args) where this backend computes (the reference backend's compute thread)."""
+        return fn(*args)
+
+    def _spec_chunks(self, new_tokens: list[int], sampler, max_new_tokens: int,
+                     stop_ids: frozenset[int], cancel: threading.Event | None, window_s: float
+                     ) -> Iterator[list[StepEvent]]:
+        """generate_chunks with speculation (engine/spec.py): after the first token, each step
+        drafts up to k ids, forwards the last token and the drafts in one multi-token forward
+        (forward_all) and keeps what Sampler.verify accepts plus one token of the sampler's
+        own; the rejected drafts' K/V are truncated away before anything is yielded. A step's
+        tokens are never split across lists, so at every suspension kv_tokens == the cached
+        prefix + the new tokens + every yielded token but the last, as without speculation;
+        each token's step_ms is its step's time shared equally (the effective rate). The
+        turn ends as generate()'s does (stop id, max_new_tokens, cancel -- checked per step
+        --, full cache); drafts are capped so that neither limit can be overrun."""
+        from ..spec import NgramDrafter
+
+        stats = self.spec_stats = dict(drafted=0, accepted=0, verify_steps=0)
+        if cancel is not None and cancel.is_set():
+            return
+
+        def first() -> tuple[int, float]:
+            t0 = time.perf_counter()
+            logits = self.forward(new_tokens)
+            return sampler.sample(logits, self.kv_tokens), (time.perf_counter() - t0) * 1e3
+
+        token, ms = self._compute(first)
+        last_yield = time.perf_counter()
+        yield [StepEvent(token, ms, True)]   # TTFT never waits for a window
+        drafter = NgramDrafter(self.kv_tokens + [token])
+        n_out, last = 1, token
+        pending: list[StepEvent] = []
+        while not (last in stop_ids or n_out >= max_new_tokens
+                   or len(self.kv_tokens) >= self.max_context
+                   or (cancel is not None and cancel.is_set())):
+            # room for the drafts after `last`, and at most one token past them to emit
+            limit = min(self.max_context - len(self.kv_tokens) - 1, max_new_tokens - n_out - 1)
+            drafts = drafter.draft(limit) if limit > 0 else []
+            emitted, ms, accepted = self._compute(self._verify_step, last, drafts, sampler,
+                                                  stop_ids)
+            if drafts:
+                stats["drafted"] += len(drafts)
+                stats["accepted"] += accepted
+                stats["verify_steps"] += 1
+                drafter.update(len(drafts), accepted)
+            drafter.extend(emitted)
+            share = ms / len(emitted)
+            pending.extend(StepEvent(t, share, False) for t in emitted)
+            n_out += len(emitted)
+            last = emitted[-1]
+            now = time.perf_counter()
+            if now - last_yield >= window_s:
+                last_yield = now
+                yield pending
+                pending = []
+        if pending:
+            yield pending
+
+    def _verify_step(self, last: int, drafts: list[int], sampler, stop_ids: frozenset[int]
+                     ) -> tuple[list[int], float, int]:
+        """Forward `last` (+ `drafts` in the same forward); (emitted ids, ms, drafts kept).
+        The cache ends holding `last` and every emitted id but the last one."""
+        t0 = time.perf_counter()
+        n0 = len(self.kv_tokens)
+        if not drafts:
+            logits = self.forward([last])
+            return [sampler.sample(logits, self.kv_tokens)], (time.perf_counter() - t0) * 1e3, 0
+        rows = self.forward_all([last] + drafts)     # [1 + k, V]; the cache holds them all
+        history = self.kv_tokens[:n0 + 1]            # what plain decoding would have cached
+        emitted: list[int] = []
+        kept = 0
+        try:
+            for i, d in enumerate(drafts):
+                token, ok = sampler.verify(rows[i], history, d)
+                emitted.append(token)
+                if ok:
+                    kept += 1
+                    history.append(token)
+                if not ok or token in stop_ids:
+                    break
+            else:
+                emitted.append(sampler.sample(rows[len(drafts)], history))  # every draft kept
+        except BaseException:
+            self.truncate(n0 + 1)                    # `last` is forwarded, nothing after it
+            raise
+        self.truncate(n0 + len(emitted))             # last + emitted[:-1] (= accepted drafts)
+        return emitted, (time.perf_counter() - t0) * 1e3, kept
 
     def prepare_generate(self, new_tokens: Sequence[int], params, max_new_tokens: int
                          ) -> list[int]:

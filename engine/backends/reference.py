@@ -33,6 +33,7 @@ from ..errors import NanoqwenError
 from ..kv_cache import KVCache
 from ..quant import dequantize
 from ..rope import rope_freqs
+from ..spec import SPEC_MODES
 from .base import Backend, ModelFileTensors, StepEvent
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -266,6 +267,7 @@ _SCRIPTED = None
 class ReferenceBackend(Backend):
     name = "reference"
     modes = ("eager",)
+    spec_modes = SPEC_MODES   # verified with forward_all (the multi-token forward)
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, torch.Tensor],
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -337,6 +339,9 @@ class ReferenceBackend(Backend):
 
     def _forward(self, tokens: list[int], pos: int) -> torch.Tensor:
         return self._call(self._run, tokens, pos, False)
+
+    def _compute(self, fn: Callable, *args):
+        return self._call(fn, *args)   # a speculation step is one call on the compute thread
 
     def _truncate(self, n: int) -> None:
         # No hop to the compute thread (it may be waiting for the GIL behind a busy UI); the

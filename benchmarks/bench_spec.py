@@ -1,0 +1,168 @@
+"""Speculative decoding on a code-editing workload (issue 13 item 4): plain vs prompt lookup.
+
+    python benchmarks/bench_spec.py [--model FILE] [-n 200] [--reps 3] [--temp 0] [--json FILE]
+
+Twelve requests that rewrite code given in the prompt (type hints, renames, docstrings, a bug
+fix, f-strings, ...) and four that write new code, each answered by the bundled model (default;
+trained, so the acceptance is real) on the reference backend: the same greedy turn with
+speculation off and with `ngram`, from an empty cache. Per request: tokens, the effective
+ms per generated token (decode time -- the steps after the first token, the backend's own
+timing -- over the tokens after the first), drafted / accepted ids, and whether the tokens
+are identical (they must be, greedy). Medians over --reps repetitions per request; the
+summary is the median over requests of each group and of the plain / spec ratio.
+
+The CUDA engine has no k-token verify step yet, so there is no GPU figure here: the issue's
+7B estimate needs t(k) measured at 7B shapes (not built) combined with this acceptance.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+CODE_A = '''def load_rows(path, sep):
+    rows = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            rows.append(line.split(sep))
+    return rows
+'''
+CODE_B = '''class Counter:
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, key):
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def most_common(self, n):
+        items = sorted(self.counts.items(), key=lambda kv: kv[1], reverse=True)
+        return items[:n]
+'''
+CODE_C = '''def describe(name, age, city):
+    return "Name: " + name + ", age: " + str(age) + ", city: " + city
+
+
+def greet(name):
+    return "Hello, " + name + "!"
+'''
+CODE_D = '''def mean(xs):
+    total = 0
+    for x in xs:
+        total += x
+    return total / len(xs) + 1
+'''
+EDITS = [
+    ("Add type hints to this function:", CODE_A),
+    ("Add a docstring to this function:", CODE_A),
+    ("Rename `rows` to `records` in this code:", CODE_A),
+    ("Make `sep` default to a comma:", CODE_A),
+    ("Add type hints to this class:", CODE_B),
+    ("Add docstrings to every method of this class:", CODE_B),
+    ("Rename `counts` to `tally` in this class:", CODE_B),
+    ("Add a `reset` method to this class:", CODE_B),
+    ("Rewrite these functions with f-strings:", CODE_C),
+    ("Add type hints to these functions:", CODE_C),
+    ("Fix the bug in this function:", CODE_D),
+    ("Make this function return 0.0 for an empty list:", CODE_D),
+]
+NEW = ["Write a Python function that checks whether a string is a palindrome.",
+       "Write a function that returns the n-th Fibonacci number.",
+       "Write a function that flattens a nested list.",
+       "Write a class for a stack with push, pop and peek."]
+
+
+def requests() -> list[tuple[str, str]]:
+    out = [("edit", f"{ask}\n\n```python\n{code}```") for ask, code in EDITS]
+    return out + [("new", text) for text in NEW]
+
+
+def turn(be, ids, params, n, stop_ids, spec) -> dict:
+    be.truncate(0)
+    be.spec = spec
+    try:
+        steps = []
+        t0 = time.perf_counter()
+        for chunk in be.generate_chunks(ids, params, n, stop_ids, None, 0.0):
+            steps += chunk
+        wall = time.perf_counter() - t0
+    finally:
+        be.spec = None
+    decode = [e.step_ms for e in steps[1:]]
+    st = dict(be.spec_stats) if spec else {}
+    return dict(tokens=[e.token_id for e in steps], n=len(steps),
+                ms_per_token=(sum(decode) / len(decode)) if decode else None,
+                ttft_ms=steps[0].step_ms, wall_s=wall, drafted=st.get("drafted", 0),
+                accepted=st.get("accepted", 0), verify_steps=st.get("verify_steps", 0))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a .nanoqwen file (default: the bundled one)")
+    ap.add_argument("-n", type=int, default=200, help="max new tokens per reply")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    from nanoqwen.engine import loader
+    from nanoqwen.engine.bench import _commit
+    from nanoqwen.engine.sampling import SamplerParams
+
+    eng = loader.load(args.model, backend="reference")
+    be, tok = eng.backend, eng.tokenizer
+    greedy = SamplerParams.greedy_params()
+    rows = []
+    try:
+        for kind, text in requests():
+            ids = tok.encode_chat([{"role": "user", "content": text}])
+            res = {None: [], "ngram": []}
+            for _ in range(args.reps):
+                for spec in (None, "ngram"):
+                    res[spec].append(turn(be, ids, greedy, args.n, tok.stop_ids, spec))
+            p, s = res[None], res["ngram"]
+            med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
+            row = dict(kind=kind, request=text.splitlines()[0][:70], n_prompt=len(ids),
+                       n_generated=p[0]["n"], identical=all(x["tokens"] == p[0]["tokens"]
+                                                            for x in p + s),
+                       plain_ms_per_token=med(p, "ms_per_token"),
+                       spec_ms_per_token=med(s, "ms_per_token"),
+                       drafted=s[0]["drafted"], accepted=s[0]["accepted"],
+                       verify_steps=s[0]["verify_steps"])
+            row["acceptance"] = row["accepted"] / row["drafted"] if row["drafted"] else None
+            row["speedup"] = row["plain_ms_per_token"] / row["spec_ms_per_token"]
+            rows.append(row)
+            print(f"{kind:4s} {row['request'][:44]:44s} {row['n_generated']:4d} tok  plain "
+                  f"{row['plain_ms_per_token']:6.2f}  ngram {row['spec_ms_per_token']:6.2f} "
+                  f"ms/token  x{row['speedup']:.2f}  accepted {row['accepted']}/"
+                  f"{row['drafted']}  identical {row['identical']}", flush=True)
+    finally:
+        eng.close()
+    summary = {}
+    for kind in ("edit", "new"):
+        rs = [r for r in rows if r["kind"] == kind]
+        summary[kind] = dict(
+            requests=len(rs),
+            plain_ms_per_token=statistics.median(r["plain_ms_per_token"] for r in rs),
+            spec_ms_per_token=statistics.median(r["spec_ms_per_token"] for r in rs),
+            speedup=statistics.median(r["speedup"] for r in rs),
+            acceptance=(sum(r["accepted"] for r in rs) / max(1, sum(r["drafted"] for r in rs))))
+        s = summary[kind]
+        print(f"{kind}: median plain {s['plain_ms_per_token']:.2f} ms/token, ngram "
+              f"{s['spec_ms_per_token']:.2f} (x{s['speedup']:.2f}), acceptance "
+              f"{100 * s['acceptance']:.0f}%")
+    out = dict(bench="bench_spec", model=str(args.model or loader.default_model_path()),
+               backend=be.name, device=be.device_name, commit=_commit(),
+               date=time.strftime("%Y-%m-%d"), n=args.n, reps=args.reps, sampler="greedy",
+               all_identical=all(r["identical"] for r in rows), summary=summary, rows=rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0 if out["all_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

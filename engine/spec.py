@@ -1,0 +1,81 @@
+"""Speculative decoding's drafter: prompt lookup (n-gram matching over the conversation).
+
+A coding assistant's reply often repeats what it was shown ("add type hints to this",
+"rename x to y"). The drafter proposes the tokens that followed the most recent earlier
+occurrence of the context's last n tokens (n from MAX_N down to MIN_N, the longest match
+first); the backend verifies them all in one multi-token forward and keeps the longest prefix
+the sampler accepts (Sampler.verify: exact for greedy and for sampling), plus one token of its
+own. Nothing is drafted when nothing matches, and the draft length follows the acceptance:
+longer after a fully accepted draft, shorter after a rejection.
+
+The index maps every n-gram (n <= MAX_N) ending at each position to its latest end position,
+updated as tokens are appended, so a draft costs a few dict lookups whatever the context's
+length (the conversation is indexed once per turn: O(context) dict operations).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+SPEC_MODES = ("ngram",)  # Backend.spec values besides None (off)
+
+MAX_N = 4        # longest n-gram matched
+MIN_N = 1        # shortest (a single token: cheap to verify, often right in code)
+K_MIN, K_START, K_MAX = 2, 4, 12  # draft length bounds and start
+
+
+class NgramDrafter:
+    """Drafts continuations of `tokens` (the whole context so far) from its own history."""
+
+    def __init__(self, tokens: Sequence[int] = (), max_n: int = MAX_N, min_n: int = MIN_N,
+                 k_start: int = K_START, k_min: int = K_MIN, k_max: int = K_MAX) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes {min_n}..{max_n}: need 1 <= min_n <= max_n")
+        if not 1 <= k_min <= k_start <= k_max:
+            raise ValueError(f"draft lengths {k_min} <= {k_start} <= {k_max} do not hold")
+        self.max_n, self.min_n = max_n, min_n
+        self.k, self.k_min, self.k_max = k_start, k_min, k_max
+        self.tokens: list[int] = []
+        # _last[n]: n-gram -> end position of its latest occurrence; _prev[n]: for the n-gram
+        # ending at the last position, the end of its previous occurrence (or -1)
+        self._last: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self._prev: list[int] = [-1] * (max_n + 1)
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens to the context (emitted ones only: a rejected draft never enters)."""
+        toks = self.tokens
+        for t in tokens:
+            toks.append(int(t))
+            i = len(toks) - 1
+            for n in range(1, self.max_n + 1):
+                if i + 1 < n:
+                    self._prev[n] = -1
+                    continue
+                key = tuple(toks[i + 1 - n:i + 1])
+                d = self._last[n]
+                self._prev[n] = d.get(key, -1)
+                d[key] = i
+
+    def draft(self, limit: int | None = None) -> list[int]:
+        """Up to min(k, limit) tokens that followed the longest matching earlier n-gram, or []."""
+        k = self.k if limit is None else min(self.k, limit)
+        if k <= 0:
+            return []
+        toks = self.tokens
+        for n in range(self.max_n, self.min_n - 1, -1):
+            p = self._prev[n]
+            if p >= 0:
+                cont = toks[p + 1:p + 1 + k]   # p < the last position: never empty
+                if cont:
+                    return cont
+        return []
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Adapt the draft length to the last verify step's acceptance."""
+        if drafted <= 0:
+            return
+        if accepted == drafted:
+            self.k = min(self.k_max, self.k + 2)
+        else:
+            self.k = max(self.k_min, accepted + 1)

@@ -1,0 +1,274 @@
+"""Speculative decoding (engine/spec.py, Backend._spec_chunks, Sampler.verify) on the CPU
+reference backend: exact against plain decoding, the cache invariant of docs/INTERFACES.md at
+every suspension and exit, the rejection rule's distribution, and the CLI.
+
+The bundled model (assets/tiny) is trained, so prompt lookup gets real acceptance on
+code-editing requests; the tests assert that some drafts were kept, so "identical" is not
+the trivial result of never speculating.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanoqwen.engine.loader import load
+from nanoqwen.engine.sampling import Sampler, SamplerParams
+from nanoqwen.engine.spec import NgramDrafter
+
+MODEL = Path(__file__).resolve().parents[1] / "assets" / "tiny" / "tiny.nanoqwen"
+CODE = ("def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n\n\n"
+        "def scale(w, h, k):\n    return w * k, h * k\n")
+PROMPTS = [f"Add type hints to this code:\n\n```python\n{CODE}```",
+           f"Rename w to width and h to height:\n\n```python\n{CODE}```",
+           "Write a function that reverses a string."]
+GREEDY = SamplerParams.greedy_params()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    if not MODEL.is_file():
+        pytest.skip("the bundled model is absent")
+    eng = load(MODEL, backend="reference")
+    yield eng
+    eng.close()
+
+
+def prompt_ids(eng, text: str) -> list[int]:
+    return eng.tokenizer.encode_chat([{"role": "user", "content": text}])
+
+
+def run(be, ids, params, n, spec, stop_ids=frozenset(), cancel=None, window_s=0.0,
+        check=None):
+    """Tokens of one turn from an empty cache; `check(yielded)` runs at every suspension."""
+    be.truncate(0)
+    be.spec = spec
+    out: list[int] = []
+    try:
+        for chunk in be.generate_chunks(ids, params, n, stop_ids, cancel, window_s):
+            out += [e.token_id for e in chunk]
+            if check is not None:
+                check(out)
+    finally:
+        be.spec = None
+    return out
+
+
+def invariant(be, ids):
+    """kv_tokens == the new tokens + every yielded token but the last (empty prefix)."""
+    def check(out):
+        assert be.kv_tokens == ids + out[:-1], (len(be.kv_tokens), len(ids), len(out))
+        assert be.cache.length == len(be.kv_tokens)
+    return check
+
+
+# --- the drafter ---------------------------------------------------------------------------
+def test_drafter_takes_the_longest_latest_match():
+    d = NgramDrafter([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 4, 2, 3], k_start=3)
+    # the last 2-gram (2, 3) last occurred ending at 7 (followed by 7, 8, 4); the 3-gram
+    # (4, 2, 3) never did
+    assert d.draft() == [7, 8, 4]
+    assert d.draft(limit=1) == [7]
+    d.extend([7])           # (2, 3, 7) matches at 6..8: continue with what followed
+    assert d.draft() == [8, 4, 2]
+
+
+def test_drafter_no_match_no_draft_and_adapts():
+    d = NgramDrafter([5, 6, 7], k_start=4, k_min=2, k_max=8)
+    assert d.draft() == []      # nothing earlier to match
+    assert NgramDrafter([]).draft() == []
+    d.update(4, 4)
+    assert d.k == 6             # all kept: longer drafts
+    d.update(6, 1)
+    assert d.k == 2             # rejected early: just past what was kept
+    d.update(2, 2)
+    d.update(4, 4)
+    d.update(6, 6)
+    d.update(8, 8)
+    assert d.k == 8             # bounded
+    with pytest.raises(ValueError):
+        NgramDrafter([], min_n=3, max_n=2)
+
+
+# --- the rejection rule ----------------------------------------------------------------------
+def test_verify_greedy_is_the_argmax():
+    s = Sampler(GREEDY)
+    logits = torch.tensor([0.1, 3.0, 2.0, -1.0])
+    assert s.verify(logits, [], 1) == (1, True)
+    assert s.verify(logits, [], 2) == (1, False)
+
+
+@pytest.mark.parametrize("draft,params", [
+    (2, SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)),
+    (0, SamplerParams(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0)),
+    (4, SamplerParams(temperature=1.0, top_k=4, top_p=0.9, min_p=0.0)),   # draft outside
+    (1, SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.5)),
+])
+def test_verify_keeps_the_target_distribution(draft, params):
+    """20000 verifications of one draft on a 6-token row: the emitted token's frequencies
+    against the reference sampler's kept distribution p (chi-square; p-value > 1e-4 makes a
+    false alarm a 1-in-10^4 event), and the draft kept with frequency p(draft)."""
+    from nanoqwen.engine.sampling import _candidates, apply_repeat_penalty
+
+    logits = torch.tensor([1.0, 0.2, 0.6, -0.5, 0.9, 0.0])
+    history = [1, 3]
+    s = Sampler(SamplerParams(**{**params.to_dict(), "seed": 99}))
+    pen = apply_repeat_penalty(logits, history, params.repeat_penalty, params.repeat_last_n)
+    vals, ids = _candidates(pen, params)
+    probs = torch.softmax(vals / params.temperature, 0).double()
+    p = {int(i): float(q) for i, q in zip(ids, probs)}
+    n = 20000
+    counts = [0] * 6
+    kept = 0
+    for _ in range(n):
+        t, ok = s.verify(logits, history, draft)
+        counts[t] += 1
+        kept += ok
+        assert not ok or t == draft   # kept means the draft itself
+    assert all(counts[t] == 0 for t in range(6) if t not in p)
+    cells = [(counts[t], n * q) for t, q in p.items() if n * q >= 5]
+    chi2 = sum((c - e) ** 2 / e for c, e in cells)
+    dof = len(cells) - 1
+    if dof > 0:
+        pval = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                             torch.tensor(chi2 / 2, dtype=torch.float64)))
+        assert pval > 1e-4, (chi2, dof, counts, p)
+    pd = p.get(draft, 0.0)
+    # binomial noise of the kept count: sd = sqrt(n p (1-p)) <= 71; 5 sd
+    assert abs(kept - n * pd) <= 5 * (n * pd * (1 - pd)) ** 0.5 + 1, (kept, n * pd)
+
+
+# --- the backend ----------------------------------------------------------------------------
+@pytest.mark.parametrize("text", PROMPTS)
+def test_greedy_identical_with_and_without_speculation(engine, text):
+    be = engine.backend
+    ids = prompt_ids(engine, text)
+    plain = run(be, ids, GREEDY, 160, None, engine.tokenizer.stop_ids)
+    spec = run(be, ids, GREEDY, 160, "ngram", engine.tokenizer.stop_ids,
+               check=invariant(be, ids))
+    assert spec == plain
+    st = be.spec_stats
+    assert st["verify_steps"] > 0 and 0 <= st["accepted"] <= st["drafted"]
+    if text != PROMPTS[-1]:
+        assert st["accepted"] > 0, st   # a code edit repeats its input: drafts are kept
+
+
+def test_chunks_at_a_window_and_stats_in_the_session(engine):
+    """With a 30 ms window steps are merged into lists (never split); the session reports the
+    turn's drafted / accepted ids."""
+    from nanoqwen.engine.session import ChatSession, Stats
+
+    be = engine.backend
+    ids = prompt_ids(engine, PROMPTS[0])
+    a = run(be, ids, GREEDY, 120, "ngram", check=invariant(be, ids), window_s=0.03)
+    b = run(be, ids, GREEDY, 120, None)
+    assert a == b
+    be.truncate(0)
+    be.spec = "ngram"
+    try:
+        s = ChatSession(be, engine.tokenizer)
+        stats = [e for e in s.generate(PROMPTS[1], GREEDY, 80) if isinstance(e, Stats)][0]
+    finally:
+        be.spec = None
+    assert stats.spec == "ngram" and stats.n_verify_steps > 0
+    assert 0 < stats.n_accepted <= stats.n_drafted
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 17])
+def test_max_new_tokens_is_never_overrun(engine, n):
+    be = engine.backend
+    ids = prompt_ids(engine, PROMPTS[0])
+    out = run(be, ids, GREEDY, n, "ngram", check=invariant(be, ids))
+    assert out == run(be, ids, GREEDY, n, None)
+    assert len(out) == n
+
+
+def test_stop_inside_a_drafted_run(engine):
+    """A stop id the sampler keeps inside a draft ends the turn there: every id after it is
+    dropped and the cache holds the turn up to (not including) the stop."""
+    be = engine.backend
+    ids = prompt_ids(engine, PROMPTS[0])
+    plain = run(be, ids, GREEDY, 160, None)
+    # stop at a token the reply repeats (so speculation had drafted it): its second occurrence
+    counts: dict[int, int] = {}
+    for t in plain:
+        counts[t] = counts.get(t, 0) + 1
+    stop = next(t for t in plain[20:] if counts[t] >= 3)
+    want = plain[:plain.index(stop) + 1]
+    out = run(be, ids, GREEDY, 160, "ngram", frozenset({stop}), check=invariant(be, ids))
+    assert out == want
+    assert be.kv_tokens == ids + out[:-1]
+
+
+def test_context_full_in_the_middle_of_a_draft(engine):
+    """A cache that fills while drafts are on offer: drafts are capped to what fits, the turn
+    yields the token that cannot be forwarded and stops, as plain decoding does."""
+    ids = prompt_ids(engine, PROMPTS[0])
+    eng2 = load(MODEL, backend="reference", max_context=len(ids) + 37)
+    try:
+        be = eng2.backend
+        plain = run(be, ids, GREEDY, 500, None)
+        out = run(be, ids, GREEDY, 500, "ngram", check=invariant(be, ids))
+        assert out == plain and len(be.kv_tokens) == be.max_context
+    finally:
+        eng2.close()
+
+
+def test_cancel_and_close_leave_the_cache_exact(engine):
+    be = engine.backend
+    ids = prompt_ids(engine, PROMPTS[0])
+    cancel = threading.Event()
+    be.truncate(0)
+    be.spec = "ngram"
+    try:
+        out: list[int] = []
+        for chunk in be.generate_chunks(ids, GREEDY, 160, frozenset(), cancel, 0.0):
+            out += [e.token_id for e in chunk]
+            if len(out) >= 10:
+                cancel.set()
+        assert 10 <= len(out) < 40   # a step at most after the cancel
+        assert be.kv_tokens == ids + out[:-1]
+        # abandoned after two lists, closed: the same invariant
+        be.truncate(0)
+        it = be.generate_chunks(ids, GREEDY, 160, frozenset(), None, 0.0)
+        out = [e.token_id for e in next(it)] + [e.token_id for e in next(it)]
+        it.close()
+        assert be.kv_tokens == ids + out[:-1]
+    finally:
+        be.spec = None
+
+
+def test_sampled_speculation_keeps_the_invariant(engine):
+    be = engine.backend
+    ids = prompt_ids(engine, PROMPTS[0])
+    params = SamplerParams(temperature=0.8, seed=5)
+    out = run(be, ids, params, 120, "ngram", engine.tokenizer.stop_ids,
+              check=invariant(be, ids))
+    assert 1 <= len(out) <= 120 and all(0 <= t < be.config.vocab_size for t in out)
+    assert be.spec_stats["verify_steps"] > 0
+
+
+def test_spec_refused_where_it_is_not_built(engine):
+    from nanoqwen.engine.backends.cuda import CudaBackend
+
+    with pytest.raises(ValueError, match="'medusa' is not available on the reference backend"):
+        engine.backend.spec = "medusa"
+    assert CudaBackend.spec_modes == ()   # no k-token verify step on the GPU yet (issue 13)
+
+
+def test_cli_generate_spec_stats(capsys):
+    if not MODEL.is_file():
+        pytest.skip("the bundled model is absent")
+    from nanoqwen.engine.cli import main
+
+    args = ["generate", "-m", str(MODEL), "--backend", "reference", "-n", "60", "--temp", "0",
+            "--prompt", PROMPTS[0]]
+    assert main(args + ["--spec", "ngram", "--stats"]) == 0
+    spec = capsys.readouterr()
+    assert main(args) == 0
+    plain = capsys.readouterr()
+    assert spec.out == plain.out
+    assert "spec ngram: drafted" in spec.err and "spec ngram" not in plain.err
