@@ -20,8 +20,8 @@ from collections.abc import Sequence
 SPEC_MODES = ("ngram",)  # Backend.spec values besides None (off)
 
 MAX_N = 4        # longest n-gram matched
-MIN_N = 1        # shortest (a single token: cheap to verify, often right in code)
-K_MIN, K_START, K_MAX = 2, 4, 12  # draft length bounds and start
+MIN_N = 2        # shortest n-gram matched (one token drafts too often wrong to pay)
+K_MIN, K_START, K_MAX = 1, 4, 12  # draft length bounds and start
 
 
 class NgramDrafter:
