@@ -39,7 +39,7 @@ from . import heap
 from .chat import CHAT_ACTIONS, ChatScreen
 from .perf import ModelInfo
 from .screens import HelpScreen, ModelScreen, SettingsScreen
-from .settings import Settings, load_settings, save_settings
+from .settings import SPECULATION_NAMES, Settings, load_settings, save_settings
 from .store import ChatStore, StoreError
 from .widgets import ENTER_HINT
 
@@ -184,6 +184,7 @@ class NanoqwenApp(App[None]):
         if self.settings.model_sampler and self.model_sampler is not None:
             self.settings = self.settings.with_model_sampler(self.model_sampler)
         self._save_settings()
+        self._apply_speculation(loaded=True)
         self.chat.model_ready(ModelInfo(info.backend, info.device, info.name, info.modes,
                                         m.engine.mode, info.max_context, info.fallback))
         self.call_after_refresh(heap.settle)   # the loaded model and the app: frozen (heap.py)
@@ -226,7 +227,9 @@ class NanoqwenApp(App[None]):
     def action_settings(self) -> None:
         modes = self.engine.info.modes if self.engine else None
         defaults = self.model_sampler if self.engine else None
-        self.push_screen(SettingsScreen(self.settings, modes, defaults), self._settings_done)
+        spec_modes = self.engine.info.spec_modes if self.engine else None
+        self.push_screen(SettingsScreen(self.settings, modes, defaults, spec_modes),
+                         self._settings_done)
 
     def _settings_done(self, new: Settings | None) -> None:
         if new is None:
@@ -237,7 +240,21 @@ class NanoqwenApp(App[None]):
         if self.engine is not None and new.decode_mode in self.engine.info.modes:
             self.engine.set_mode(new.decode_mode)
             self.chat.perf.set_mode(new.decode_mode)
+        self._apply_speculation()
         self.notify("Saved; they apply from the next reply", title="Settings")
+
+    def _apply_speculation(self, loaded: bool = False) -> None:
+        """The saved speculation setting on the engine where its backend verifies it; a
+        backend without it decodes plainly (said once, when a model loads)."""
+        if self.engine is None:
+            return
+        want = self.settings.speculation
+        have = self.engine.info.spec_modes
+        self.engine.set_spec(want if want in have else None)
+        if want != "off" and want not in have and loaded:
+            self.notify(f"{SPECULATION_NAMES[want].capitalize()} is not available on the "
+                        f"{self.engine.info.backend} backend yet; replies decode one token "
+                        "per step", title="Speculative decoding", severity="warning", timeout=8)
 
     def toggle_mode(self) -> None:
         b = self.engine

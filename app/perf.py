@@ -39,6 +39,8 @@ from textual.widgets import Label, Sparkline, Static
 
 from nanoqwen.engine.service import SeenMeter, StatsUpdate, tokens_per_s
 
+from .settings import SPECULATION_NAMES
+
 # Keep the sparkline bounded on long replies; Sparkline buckets to its width anyway.
 _MAX_POINTS = 2048
 _INDENT = " " * 10   # continuation lines line up under the values ("decode    ")
@@ -257,9 +259,15 @@ class PerfPanel(Vertical):
                 mode = f"mode      [b]{info.mode}[/] [dim](ctrl+g: {'/'.join(other)})[/]"
             put("perf-mode", mode)
         tag = f" [dim]({last.mode})[/]" if last else ""
+        spec = ""
+        if last is not None and last.spec:
+            # speculation: the effective rate above; here how much of the drafting was kept
+            kept = f"{100 * last.n_accepted / last.n_drafted:.0f}%" if last.n_drafted else "—"
+            spec = (f"\n{_INDENT}{kept} [dim]of {last.n_drafted} drafted kept "
+                    f"({SPECULATION_NAMES.get(last.spec, last.spec)})[/]")
         put("perf-decode",
             f"decode    {fmt(self.decode_tokens_per_s, 'tok/s')}{tag}\n"
-            f"{_INDENT}{fmt(self.decode_median_ms, 'ms/tok')} [dim]median[/]")
+            f"{_INDENT}{fmt(self.decode_median_ms, 'ms/tok')} [dim]median[/]{spec}")
         put("perf-screen",
             f"screen    {fmt(self.screen_tokens_per_s, 'tok/s')}")
         put("perf-ttft",

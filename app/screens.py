@@ -26,7 +26,8 @@ from textual.widgets.option_list import Option
 
 from nanoqwen.engine.sampling import SamplerParams
 
-from .settings import DECODE_MODES, LABELS, SAMPLER_FIELDS, Settings, SettingsError
+from .settings import (DECODE_MODES, LABELS, SAMPLER_FIELDS, SPECULATION, SPECULATION_NAMES,
+                       Settings, SettingsError)
 from .store import ChatSummary
 
 # Numeric fields in form order: (field, hint shown beside the input)
@@ -83,11 +84,13 @@ class SettingsScreen(_FitsTerminal, ModalScreen[Settings | None]):
     ]
 
     def __init__(self, settings: Settings, modes: tuple[str, ...] | None = None,
-                 model_sampler: SamplerParams | None = None) -> None:
+                 model_sampler: SamplerParams | None = None,
+                 spec_modes: tuple[str, ...] | None = None) -> None:
         super().__init__()
         self.settings = settings
         self.modes = modes  # what the loaded backend can do; None: no model loaded
         self.model_sampler = model_sampler  # the loaded model's sampler defaults
+        self.spec_modes = spec_modes  # the speculation it verifies; None: no model loaded
 
     def compose(self) -> ComposeResult:
         s = self.settings
@@ -112,6 +115,14 @@ class SettingsScreen(_FitsTerminal, ModalScreen[Settings | None]):
                                  value=s.decode_mode if s.decode_mode in offered else offered[0],
                                  allow_blank=False, id="decode_mode", compact=True)
                     yield Static(self._mode_hint(), classes="hint", id="decode_mode-error")
+                    yield Label(LABELS["speculation"])
+                    # as the decode mode: what the backend verifies, the saved choice kept
+                    spec_offered = [m for m in SPECULATION if m == "off"
+                                    or self.spec_modes is None or m in self.spec_modes]
+                    yield Select([(SPECULATION_NAMES[m], m) for m in spec_offered],
+                                 value=s.speculation if s.speculation in spec_offered else "off",
+                                 allow_blank=False, id="speculation", compact=True)
+                    yield Static(self._spec_hint(), classes="hint", id="speculation-error")
                 yield Label(LABELS["system_prompt"] + " for new chats [dim](empty: the model's "
                             "default; a chat's own: ctrl+o, ctrl+e)[/]")
                 yield TextArea(s.system_prompt, id="system_prompt", compact=True)
@@ -132,6 +143,11 @@ class SettingsScreen(_FitsTerminal, ModalScreen[Settings | None]):
             return f"[dim]this backend runs only {self.modes[0]}[/]"
         return "[dim]graph: CUDA graphs[/]"
 
+    def _spec_hint(self) -> str:
+        if self.spec_modes is not None and not self.spec_modes:
+            return "[dim]not on this backend yet[/]"
+        return "[dim]drafts from the chat, verified: the same reply, sooner[/]"
+
     def form(self) -> dict:
         f: dict = {name: self.query_one(f"#{name}", Input).value for name, _ in _NUMBER_FIELDS}
         f["greedy"] = self.query_one("#greedy", Switch).value
@@ -139,6 +155,10 @@ class SettingsScreen(_FitsTerminal, ModalScreen[Settings | None]):
         # a backend with one mode offers no choice: the saved one (for other backends) stays
         f["decode_mode"] = picked if self.modes is None or len(self.modes) > 1 \
             else self.settings.decode_mode
+        picked = self.query_one("#speculation", Select).value
+        # a backend without speculation offers only off: the saved choice stays
+        f["speculation"] = picked if self.spec_modes is None or self.spec_modes \
+            else self.settings.speculation
         f["system_prompt"] = self.query_one("#system_prompt", TextArea).text
         return f
 

@@ -21,9 +21,12 @@ from typing import Any
 import platformdirs
 
 from nanoqwen.engine.sampling import SamplerParams, is_int, sampler_problems
-from nanoqwen.engine.service import MODES
+from nanoqwen.engine.service import MODES, SPEC_MODES
 
 DECODE_MODES = MODES  # the engine's decode modes (engine/service.py)
+# speculative decoding: off, or a drafter of engine/spec.py ("ngram": prompt lookup)
+SPECULATION = ("off",) + SPEC_MODES
+SPECULATION_NAMES = {"off": "off", "ngram": "prompt lookup"}
 # the perf panel: beside the chat, a one-line summary under it, or hidden (F3 cycles; a
 # terminal too narrow for "full" shows "line")
 PERF_PANEL = ("full", "line", "hidden")
@@ -54,6 +57,7 @@ LABELS = {
     "max_new_tokens": "Max new tokens",
     "system_prompt": "System prompt",
     "decode_mode": "Decode mode",
+    "speculation": "Speculative decoding",
     "model_sampler": "Sampler from the model",
     "cpu_threads": "CPU threads",
     "perf_panel": "Perf panel",
@@ -73,6 +77,7 @@ class Settings:
     max_new_tokens: int = 1024
     system_prompt: str = ""          # empty: the model's chat template default
     decode_mode: str = "graph"       # wanted mode; a backend without it runs its only mode
+    speculation: str = "off"         # wanted; a backend without it decodes plainly
     last_model: str | None = None    # the model to open next time
     cpu_threads: int = 0             # the CPU backend's threads; 0: one per core
     perf_panel: str = "full"         # PERF_PANEL; F3 in the chat cycles it
@@ -116,6 +121,8 @@ class Settings:
         need(self.decode_mode in DECODE_MODES, "decode_mode",
              f"must be one of {', '.join(DECODE_MODES)}")
         need(self.perf_panel in PERF_PANEL, "perf_panel", f"must be one of {', '.join(PERF_PANEL)}")
+        need(self.speculation in SPECULATION, "speculation",
+             f"must be one of {', '.join(SPECULATION)}")
         if errors:
             raise SettingsError(errors)
         return self

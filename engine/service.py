@@ -34,6 +34,7 @@ from pathlib import Path
 
 from .errors import ContextFullError, NanoqwenError
 from .rates import median_ms, tokens_per_s  # also the app's (it imports the service only)
+from .spec import SPEC_MODES  # the app's too: the speculation a backend may verify
 
 # The backends `open` / loader.load take ("auto": CUDA where it runs, else the reference) and
 # the decode modes a backend may have (CudaBackend has both, the reference backend only eager):
@@ -112,6 +113,7 @@ class LoadedModel:
     modes: tuple[str, ...]
     max_context: int
     fallback: str | None = None     # why "auto" ended on the reference backend
+    spec_modes: tuple[str, ...] = ()  # speculative decoding the backend verifies (spec.py)
     warnings: list[str] = field(default_factory=list)
     generation: dict = field(default_factory=dict)  # the file's generation config
 
@@ -166,7 +168,8 @@ class EngineService:
         info = LoadedModel(path=Path(path), name=be.config.name, backend=be.name,
                            device=be.device_name, modes=tuple(be.modes),
                            max_context=be.max_context, fallback=eng.fallback_reason,
-                           warnings=warnings, generation=dict(eng.model_file.generation or {}))
+                           warnings=warnings, generation=dict(eng.model_file.generation or {}),
+                           spec_modes=tuple(be.spec_modes))
         return cls(be, eng.tokenizer, eng.model_file, info)
 
     def close(self) -> None:
@@ -381,10 +384,12 @@ class _StatsAccumulator:
                             n_drafted=f.n_drafted, n_accepted=f.n_accepted, **rolling)
         else:
             be = self.backend
+            sst = be.spec_stats if be.spec else {}   # the turn's so far
             u = StatsUpdate(self.ttft, self.latest, None,
                             tokens_per_s(self.n_steps, self.total_ms),
                             tuple(self.new), self.n, len(be.kv_tokens), be.max_context,
-                            be.mode, **rolling)
+                            be.mode, spec=be.spec, n_drafted=sst.get("drafted", 0),
+                            n_accepted=sst.get("accepted", 0), **rolling)
         self.new = []
         self.dirty = False
         return u

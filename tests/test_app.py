@@ -457,6 +457,39 @@ async def test_settings_offer_only_the_backends_decode_modes_and_keep_the_saved_
 
 
 @aio
+async def test_speculation_setting_gives_the_same_reply_and_shows_what_was_kept(
+        dirs, tiny_model_path):
+    """Prompt lookup on (a saved setting, applied when the model loads): the reply is the
+    greedy one token for token, the perf panel says how much of the drafting was kept, the
+    stored stats carry the figures; the settings screen offers it on this backend."""
+    n = 120
+    use_settings(max_new_tokens=n, speculation="ngram")
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        assert app.engine.spec == "ngram"
+        text = "def add(a, b): return a + b\ndef add(a, b): return a + b\ndef add"
+        app.chat.query_one("#prompt", PromptInput).text = text
+        widget = await send(app, pilot, None)
+        await reply_done(app, pilot)
+        assert widget.source == greedy_reply(tiny_model_path, [], text, n)
+        st = app.store.messages(app.chat.chat_id)[1].stats
+        assert st["spec"] == "ngram" and st["n_drafted"] > 0
+        assert 0 <= st["n_accepted"] <= st["n_drafted"]
+        decode = str(app.chat.perf.query_one("#perf-decode").render())
+        assert f"of {st['n_drafted']} drafted kept (prompt lookup)" in decode, decode
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        select = app.screen.query_one("#speculation")
+        assert [o[1] for o in select._options] == ["off", "ngram"] and select.value == "ngram"
+        select.value = "off"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert app.engine.spec is None and app.settings.speculation == "off"
+    assert json.loads(default_settings_path().read_text())["speculation"] == "off"
+
+
+@aio
 async def test_the_models_generation_defaults_are_the_apps_until_changed(dirs):
     """The bundled file's generation config (temperature 0.2, top-k 20, top-p 0.9, min-p
     0.05) is the app's sampler on a fresh install, the same as `nanoqwen generate` uses;

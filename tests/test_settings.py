@@ -48,6 +48,8 @@ def test_missing_file_gives_defaults_silently(tmp_path):
     ({"seed": "-5"}, "seed", "Seed must be a whole number from 0 to 2**64 - 1, or -1"),
     ({"max_new_tokens": "0"}, "max_new_tokens", "Max new tokens must be a whole number from 1"),
     ({"decode_mode": "turbo"}, "decode_mode", "Decode mode must be one of graph, eager"),
+    ({"speculation": "medusa"}, "speculation",
+     "Speculative decoding must be one of off, ngram"),
     ({"temperature": "nan"}, "temperature", "Temperature must be a number >= 0"),
     ({"cpu_threads": "-1"}, "cpu_threads", "CPU threads must be a whole number from 0"),
     ({"cpu_threads": str((os.cpu_count() or 1) + 1)}, "cpu_threads", "this machine's CPUs"),
