@@ -20,7 +20,7 @@
 // The radix passes are the full path; the fast paths below skip them and draw the same token
 // (same kept set, same fixed-point weights, same id-order walk). params_i[3] != 0 forces the
 // full path: the tests' and bench_step's A/B reference.
-// top-k up to 1024 (the default 40): the k-th largest per-thread maximum bounds the threshold
+// top-k up to 256 (the default 40): the k-th largest per-thread maximum bounds the threshold
 // from below, the few tokens above it are compacted and steps 3-6 finish on that list in shared
 // memory (sample_top_k_fast). Any other k (or that list overflowing: flat rows): a counting
 // histogram of the distance below the max (1/4-nat bins, 64 nats), the crossing bin's 256
@@ -47,6 +47,7 @@ namespace nanoqwen {
 constexpr int kSampleThreads = 1024;
 constexpr int kSampleWarps = kSampleThreads / 32;
 constexpr int kWarpHistBytes = kSampleWarps * 256 * 8;  // radix_threshold's per-warp histograms
+constexpr int kTopKFastMax = 256;  // the largest top-k sample_top_k_fast is tried for
 
 __device__ __forceinline__ uint32_t float_key(float f) {
   const uint32_t b = __float_as_uint(f);
@@ -1078,10 +1079,12 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
   // params_i[3] != 0: the full path alone (the radix passes): the A/B reference
   // tests/gpu/test_sampler_fast.py and bench_step.py hold the fast paths to, token for token
   const bool full_path = params_i[3] != 0;
-  // 3. top-k. Up to kSampleThreads (the usual 40): a lower bound from the per-thread maxima,
-  // then steps 4-6 on the few tokens above it (sample_top_k_fast)
+  // 3. top-k. Up to kTopKFastMax (the usual 40): a lower bound from the per-thread maxima,
+  // then steps 4-6 on the few tokens above it (sample_top_k_fast). Beyond it that bound lets
+  // through more than the list holds on any row (measured on the H200: top-k 1000 fell back
+  // on flat and peaked rows alike), so the attempt is not made
   const bool use_top_k = top_k > 0 && top_k < V;
-  if (!full_path && use_top_k && top_k <= kSampleThreads &&
+  if (!full_path && use_top_k && top_k <= kTopKFastMax &&
       sample_top_k_fast(out_token, src, V, (int)top_k, mx, temperature, top_p, min_p, seed,
                         counter, sh))
     return;  // block-uniform
