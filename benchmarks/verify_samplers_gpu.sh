@@ -9,14 +9,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 S=$(date +%s)
 t() { echo "[$(( $(date +%s) - S ))s] == $*"; }
 {
-t "install"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
-t "build"
-timeout 200 python3 -c "
-import time; t=time.time()
-from nanoqwen.engine.build import load_extension; print(load_extension(), f'{time.time()-t:.0f}s')" 2>&1 | tail -30
+. benchmarks/device_setup.sh
 if [ "${FULL:-0}" = 1 ]; then t "tests/gpu"; timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -30
 else t "sampler tests"; timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu/test_sampler_fast.py tests/gpu/test_kernels.py -q --tb=short -p no:cacheprovider -k "sampl or top" -s 2>&1 | grep -v "^$" | tail -40; fi
 t "bench_samplers"

@@ -485,6 +485,28 @@ __device__ __noinline__ bool sample_top_k_fast(int32_t* out_token, const float* 
   return true;
 }
 
+// Visits ids [s0, s1) of a warp's contiguous segment, coalesced: the lanes stride 32 and each
+// has kB loads in flight before f(v, i, in) runs on them in id order; every lane makes the same
+// calls (in == false past s1, v then 0), so f may use warp intrinsics.
+template <int kB, class F>
+__device__ __forceinline__ void for_segment(const float* __restrict__ src, int s0, int s1,
+                                            F&& f) {
+  const int lane = threadIdx.x & 31;
+  for (int i0 = s0; i0 < s1; i0 += kB * 32) {
+    float vb[kB];
+#pragma unroll
+    for (int u = 0; u < kB; ++u) {
+      const int i = i0 + u * 32 + lane;
+      vb[u] = i < s1 ? src[i] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kB; ++u) {
+      const int i = i0 + u * 32 + lane;
+      f(vb[u], i, i < s1);
+    }
+  }
+}
+
 // Fixed-point weight of one token for the draw, 0 below the kept set's floor.
 __device__ __forceinline__ unsigned long long draw_weight(float v, uint32_t floor_key, float mx,
                                                           float inv_t) {
@@ -495,20 +517,10 @@ __device__ __forceinline__ unsigned long long draw_weight(float v, uint32_t floo
 // flight); every lane gets it. Integer sum: independent of the order.
 __device__ unsigned long long warp_weight_sum(const float* __restrict__ src, int s0, int s1,
                                               uint32_t floor_key, float mx, float inv_t) {
-  const int lane = threadIdx.x & 31;
-  constexpr int kB = 8;
   unsigned long long m = 0;
-  for (int i0 = s0; i0 < s1; i0 += kB * 32) {
-    float vb[kB];
-#pragma unroll
-    for (int u = 0; u < kB; ++u) {
-      const int i = i0 + u * 32 + lane;
-      vb[u] = i < s1 ? src[i] : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < kB; ++u)
-      if (i0 + u * 32 + lane < s1) m += draw_weight(vb[u], floor_key, mx, inv_t);
-  }
+  for_segment<8>(src, s0, s1, [&](float v, int, bool in) {
+    if (in) m += draw_weight(v, floor_key, mx, inv_t);
+  });
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m += __shfl_xor_sync(0xffffffffu, m, o);
   return m;
@@ -735,31 +747,21 @@ __device__ bool threshold_wide(const float* __restrict__ src, int s0, int s1, fl
   rows_clear(rows);
   if (t == 0) sh.top_p_n = 0u;
   __syncthreads();
-  constexpr int kBatchW = 8;
-  for (int i0 = s0; i0 < s1; i0 += kBatchW * 32) {
-    float vb[kBatchW];
-#pragma unroll
-    for (int u = 0; u < kBatchW; ++u) {
-      const int i = i0 + u * 32 + lane;
-      vb[u] = i < s1 ? src[i] : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < kBatchW; ++u) {
-      const float d = bin_dist(vb[u], mx, scale);
-      const bool take = i0 + u * 32 + lane < s1 && in_bin(vb[u], d);
-      if (banded) {  // block-uniform
-        const unsigned bal = __ballot_sync(0xffffffffu, take);
-        if (bal) {
-          unsigned at = 0;
-          if (lane == __ffs(bal) - 1) at = atomicAdd(&sh.top_p_n, (unsigned)__popc(bal));
-          at = __shfl_sync(0xffffffffu, at, __ffs(bal) - 1) + __popc(bal & ((1u << lane) - 1u));
-          if (take && at < (unsigned)kBandCap) band[at] = vb[u];  // at < n_bin: guard anyway
-        }
-      } else if (take) {
-        rows_add<kMass>(rows, warp, sub_of(d), kMass ? fixed_mass(vb[u], mx, 1.0f) : 1ull);
+  for_segment<8>(src, s0, s1, [&](float v, int, bool in) {
+    const float d = bin_dist(v, mx, scale);
+    const bool take = in && in_bin(v, d);
+    if (banded) {  // block-uniform
+      const unsigned bal = __ballot_sync(0xffffffffu, take);
+      if (bal) {
+        unsigned at = 0;
+        if (lane == __ffs(bal) - 1) at = atomicAdd(&sh.top_p_n, (unsigned)__popc(bal));
+        at = __shfl_sync(0xffffffffu, at, __ffs(bal) - 1) + __popc(bal & ((1u << lane) - 1u));
+        if (take && at < (unsigned)kBandCap) band[at] = v;  // at < n_bin: guard anyway
       }
+    } else if (take) {
+      rows_add<kMass>(rows, warp, sub_of(d), kMass ? fixed_mass(v, mx, 1.0f) : 1ull);
     }
-  }
+  });
   __syncthreads();
   const int nb = (int)min(sh.top_p_n, (unsigned)kBandCap);
   if (banded) {
@@ -790,22 +792,13 @@ __device__ bool threshold_wide(const float* __restrict__ src, int s0, int s1, fl
       }
     }
   } else {
-    for (int i0 = s0; i0 < s1; i0 += kBatchW * 32) {
-      float vb[kBatchW];
-#pragma unroll
-      for (int u = 0; u < kBatchW; ++u) {
-        const int i = i0 + u * 32 + lane;
-        vb[u] = i < s1 ? src[i] : 0.f;
+    for_segment<8>(src, s0, s1, [&](float v, int, bool in) {
+      const float d = bin_dist(v, mx, scale);
+      if (in && in_bin(v, d) && sub_of(d) == sub) {
+        const unsigned k = atomicAdd(&sh.top_p_n, 1u);
+        if (k < (unsigned)kSampleThreads) c.cv[k] = v;
       }
-#pragma unroll
-      for (int u = 0; u < kBatchW; ++u) {
-        const float d = bin_dist(vb[u], mx, scale);
-        if (i0 + u * 32 + lane < s1 && in_bin(vb[u], d) && sub_of(d) == sub) {
-          const unsigned k = atomicAdd(&sh.top_p_n, 1u);
-          if (k < (unsigned)kSampleThreads) c.cv[k] = vb[u];
-        }
-      }
-    }
+    });
   }
   __syncthreads();
   const int n = (int)min(sh.top_p_n, (unsigned)kSampleThreads);
@@ -832,27 +825,16 @@ __device__ bool threshold_wide(const float* __restrict__ src, int s0, int s1, fl
 __device__ __noinline__ bool top_k_threshold_wide(const float* __restrict__ src, int V, float mx, int top_k,
                                      SampleShared& sh, uint32_t* key_out) {
   const TopPRows rows = top_p_rows();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warp = threadIdx.x >> 5;
   const int seg = ((V + kSampleWarps - 1) / kSampleWarps + 31) & ~31;
   const int s0 = min(V, warp * seg), s1 = min(V, s0 + seg);
   constexpr float kScale = 4.0f;
   rows_clear(rows);
   __syncthreads();
-  constexpr int kB = 8;
-  for (int i0 = s0; i0 < s1; i0 += kB * 32) {
-    float vb[kB];
-#pragma unroll
-    for (int u = 0; u < kB; ++u) {
-      const int i = i0 + u * 32 + lane;
-      vb[u] = i < s1 ? src[i] : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < kB; ++u) {
-      const float d = bin_dist(vb[u], mx, kScale);
-      if (i0 + u * 32 + lane < s1 && d < (float)kTopPBins)
-        rows_add<false>(rows, warp, (int)d, 1ull);
-    }
-  }
+  for_segment<8>(src, s0, s1, [&](float v, int, bool in) {
+    const float d = bin_dist(v, mx, kScale);
+    if (in && d < (float)kTopPBins) rows_add<false>(rows, warp, (int)d, 1ull);
+  });
   __syncthreads();
   rows_pick<false>(rows, 0ull, (unsigned long long)top_k, sh);
   const int bin = sh.top_p_bin;
@@ -914,27 +896,16 @@ __device__ bool sample_top_p_fast(int32_t* out_token, const float* __restrict__ 
   unsigned n_f = 0;  // min-p survivors in this warp's segment (warp-uniform)
   // loads in flight per lane before the arithmetic: 4 in this pass (8 spilled at the 64-register
   // cap, and the pass is bound by the expf + 64-bit conversion per token anyway), 8 in the write
-  constexpr int kBatch = 4, kBatchW = 8;
-  for (int i0 = s0; i0 < s1; i0 += kBatch * 32) {  // same trip count for the warp's lanes
-    float vb[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int i = i0 + u * 32 + lane;
-      vb[u] = i < s1 ? src[i] : 0.f;
+  for_segment<4>(src, s0, s1, [&](float v, int, bool seg_in) {
+    const bool in = seg_in && (!kFloor || float_key(v) >= kfloor);
+    if (in) {
+      const unsigned long long w = fixed_mass(v, mx, 1.0f);  // the full path's top-p mass
+      z += w;
+      const float d = top_p_bin_dist(v, mx);
+      if (d < (float)kTopPBins) rows_add(rows, warp, (int)d, w);  // false for NaN
     }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const float v = vb[u];
-      const bool in = i0 + u * 32 + lane < s1 && (!kFloor || float_key(v) >= kfloor);
-      if (in) {
-        const unsigned long long w = fixed_mass(v, mx, 1.0f);  // the full path's top-p mass
-        z += w;
-        const float d = top_p_bin_dist(v, mx);
-        if (d < (float)kTopPBins) rows_add(rows, warp, (int)d, w);  // false for NaN
-      }
-      if (use_min_p) n_f += __popc(__ballot_sync(0xffffffffu, in && float_key(v) >= fkey_s));
-    }
-  }
+    if (use_min_p) n_f += __popc(__ballot_sync(0xffffffffu, in && float_key(v) >= fkey_s));
+  });
   z = block_sum_u64(z, sh);  // its first barrier also publishes the rows
   z_out = z;
   z_known = true;
@@ -985,29 +956,18 @@ __device__ bool sample_top_p_fast(int32_t* out_token, const float* __restrict__ 
   if (wc > 0) {  // warp-uniform
     unsigned at = (unsigned)__shfl_sync(0xffffffffu, at0, 0);
     const unsigned lt = (1u << lane) - 1u;
-    for (int i0 = s0; i0 < s1; i0 += kBatchW * 32) {
-      float vb[kBatchW];
-#pragma unroll
-      for (int u = 0; u < kBatchW; ++u) {
-        const int i = i0 + u * 32 + lane;
-        vb[u] = i < s1 ? src[i] : 0.f;
+    for_segment<8>(src, s0, s1, [&](float v, int i, bool in) {
+      const bool keep = in && (by_key ? float_key(v) >= fkey_s
+                                      : top_p_bin_dist(v, mx) < lim &&
+                                            (!kFloor || float_key(v) >= kfloor));
+      const unsigned bal = __ballot_sync(0xffffffffu, keep);
+      const unsigned k = at + __popc(bal & lt);
+      if (keep && k < (unsigned)kSampleThreads) {  // k < n by construction; guard anyway
+        c.cv[k] = v;
+        c.ci[k] = i;
       }
-#pragma unroll
-      for (int u = 0; u < kBatchW; ++u) {
-        const int i = i0 + u * 32 + lane;
-        const float v = vb[u];
-        const bool keep = i < s1 && (by_key ? float_key(v) >= fkey_s
-                                            : top_p_bin_dist(v, mx) < lim &&
-                                                  (!kFloor || float_key(v) >= kfloor));
-        const unsigned bal = __ballot_sync(0xffffffffu, keep);
-        const unsigned k = at + __popc(bal & lt);
-        if (keep && k < (unsigned)kSampleThreads) {  // k < n by construction; guard anyway
-          c.cv[k] = v;
-          c.ci[k] = i;
-        }
-        at += __popc(bal);
-      }
-    }
+      at += __popc(bal);
+    });
   }
   __syncthreads();
   finish_compact(out_token, (int)n, 0u, mx, temperature, top_p, min_p, seed, counter, c, sh,

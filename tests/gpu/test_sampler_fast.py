@@ -315,27 +315,20 @@ def test_fast_path_is_taken(gen):
     ~50 us on a flat row (the wide path); a fallback costs about the full path, so half of it
     separates the two with a wide margin."""
     V = 152064
-    logits = make_logits("peaked", V, gen)
-    for top_p, min_p in [(0.9, 0.0), (0.95, 0.05)]:
-        fast = median_us(logits, state(V, 0, top_p, min_p))
-        full = median_us(logits, state(V, 0, top_p, min_p, full=True))
-        print(f"peaked top_p={top_p} min_p={min_p}: fast path {fast:.1f} us, full path "
+
+    def both(kind, logits, top_k, top_p, min_p) -> tuple[float, float]:
+        """(this path, the full path) in us, printed."""
+        fast = median_us(logits, state(V, top_k, top_p, min_p))
+        full = median_us(logits, state(V, top_k, top_p, min_p, full=True))
+        print(f"{kind} top_k={top_k} top_p={top_p} min_p={min_p}: {fast:.1f} us, full path "
               f"{full:.1f} us")
-        assert fast < 0.5 * full, (fast, full)
-    flat = make_logits("flat", V, gen)
-    for top_p, min_p in [(0.9, 0.0), (0.95, 0.05)]:
-        wide = median_us(flat, state(V, 0, top_p, min_p))
-        full = median_us(flat, state(V, 0, top_p, min_p, full=True))
-        print(f"flat top_p={top_p} min_p={min_p}: wide path {wide:.1f} us, full path "
-              f"{full:.1f} us")
-        assert wide < 0.5 * full, (wide, full)
-    for top_k in (1500, 50000):
-        wide = median_us(flat, state(V, top_k, 1.0, 0.0))
-        full = median_us(flat, state(V, top_k, 1.0, 0.0, full=True))
-        print(f"flat top_k={top_k}: wide path {wide:.1f} us, full path {full:.1f} us")
-        assert wide < 0.5 * full, (wide, full)
-    ties = make_logits("tie_3000", V, gen)
-    fb = median_us(ties, state(V, 0, 0.9, 0.0))
-    full = median_us(ties, state(V, 0, 0.9, 0.0, full=True))
+        return fast, full
+    peaked, flat = make_logits("peaked", V, gen), make_logits("flat", V, gen)
+    for kind, logits, top_k, top_p, min_p in [
+            ("peaked", peaked, 0, 0.9, 0.0), ("peaked", peaked, 0, 0.95, 0.05),
+            ("flat", flat, 0, 0.9, 0.0), ("flat", flat, 0, 0.95, 0.05),   # the wide path
+            ("flat", flat, 1500, 1.0, 0.0), ("flat", flat, 50000, 1.0, 0.0)]:
+        fast, full = both(kind, logits, top_k, top_p, min_p)
+        assert fast < 0.5 * full, (kind, top_k, top_p, min_p, fast, full)
     # reported, not asserted: the fallback's extra cost (histogram passes, then the radix path)
-    print(f"tie_3000 top_p=0.9 (fallback): {fb:.1f} us, full path {full:.1f} us")
+    both("tie_3000 (fallback)", make_logits("tie_3000", V, gen), 0, 0.9, 0.0)
