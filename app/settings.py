@@ -21,11 +21,11 @@ from typing import Any
 import platformdirs
 
 from nanoqwen.engine.sampling import SamplerParams, is_int, sampler_problems
-from nanoqwen.engine.service import MODES, SPEC_MODES
+from nanoqwen.engine.service import MODES
 
 DECODE_MODES = MODES  # the engine's decode modes (engine/service.py)
 # speculative decoding: off, or a drafter of engine/spec.py ("ngram": prompt lookup)
-SPECULATION = ("off",) + SPEC_MODES
+SPECULATION = ("off", "ngram")  # the app offers no draft model (nanoqwen generate does)
 SPECULATION_NAMES = {"off": "off", "ngram": "prompt lookup"}
 # the perf panel: beside the chat, a one-line summary under it, or hidden (F3 cycles; a
 # terminal too narrow for "full" shows "line")

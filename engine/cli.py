@@ -95,7 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", choices=MODES, default="graph", help="CUDA decode mode")
     g.add_argument("--stats", action="store_true", help="print timing to stderr at the end")
     g.add_argument("--spec", choices=("off",) + SPEC_MODES, default="off",
-                   help="speculative decoding: ngram = prompt lookup (reference backend)")
+                   help="speculative decoding: ngram = prompt lookup, draft = a draft model "
+                        "(--draft); the reference backend for now")
+    g.add_argument("--draft", default=None, metavar="FILE",
+                   help="the draft model of --spec draft (a .nanoqwen of the same tokenizer)")
     add_sampler_args(g)
 
     b = sub.add_parser("bench", help="pp/tg benchmark in llama-bench's terms")

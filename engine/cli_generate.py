@@ -63,9 +63,12 @@ def cli_generate(args) -> int:
         info = engine.info
         params = sampler_params(args, info.generation)
         spec = getattr(args, "spec", "off")
+        draft = getattr(args, "draft", None)
+        if draft is not None and spec != "draft":
+            raise NanoqwenError("--draft FILE goes with --spec draft")
         if spec != "off":
             try:
-                engine.set_spec(spec)
+                engine.set_spec(spec, draft=draft)
             except ValueError as e:
                 raise NanoqwenError(f"--spec {spec}: {e}") from e
         max_new = info.max_context if n == -1 else n

@@ -34,7 +34,6 @@ from pathlib import Path
 
 from .errors import ContextFullError, NanoqwenError
 from .rates import median_ms, tokens_per_s  # also the app's (it imports the service only)
-from .spec import SPEC_MODES  # the app's too: the speculation a backend may verify
 
 # The backends `open` / loader.load take ("auto": CUDA where it runs, else the reference) and
 # the decode modes a backend may have (CudaBackend has both, the reference backend only eager):
@@ -147,6 +146,7 @@ class EngineService:
         self._lock = threading.Lock()          # one submit at a time
         self._cancel = threading.Event()       # the latest submit's
         self.transcript = None                 # session.Transcript of the cached conversation
+        self._draft = None                     # loader.LoadedEngine of spec "draft"
 
     # --- loading ------------------------------------------------------------------------
     @classmethod
@@ -175,6 +175,13 @@ class EngineService:
     def close(self) -> None:
         self.cancel()
         self.model_file.close()
+        self._close_draft()
+
+    def _close_draft(self) -> None:
+        if self._draft is not None:
+            self.backend.draft_backend = None
+            self._draft.close()
+            self._draft = None
 
     # --- decode mode ----------------------------------------------------------------------
     @property
@@ -191,11 +198,29 @@ class EngineService:
     def spec(self) -> str | None:
         return self.backend.spec
 
-    def set_spec(self, spec: str | None) -> None:
+    def set_spec(self, spec: str | None, draft: str | Path | None = None) -> None:
         """Speculative decoding for the next turns: None (off) or one of the backend's
-        spec_modes ("ngram": prompt lookup, engine/spec.py). Raises ValueError naming what
-        the backend has (the CUDA engine has no k-token verify step yet: none)."""
+        spec_modes ("ngram": prompt lookup; "draft": the model file `draft`, loaded on the
+        same backend, drafts; engine/spec.py). Raises ValueError naming what the backend has
+        (the CUDA engine has no k-token verify step yet: none), NanoqwenError for a draft
+        file that cannot be loaded or whose tokenizer is not the model's."""
+        if spec == "draft" and draft is not None:
+            self._open_draft(Path(draft))
         self.backend.spec = spec
+
+    def _open_draft(self, path: Path) -> None:
+        from . import loader
+
+        if "draft" not in self.backend.spec_modes:
+            self.backend.spec = "draft"   # raises: what this backend has
+        d = loader.load(path, backend=self.backend.name)
+        if not self.tokenizer.same_vocabulary(d.tokenizer):
+            d.close()
+            raise NanoqwenError(f"the draft model {path} has another tokenizer than "
+                                f"{self.info.path}: a draft model needs the same vocabulary")
+        self._close_draft()
+        self._draft = d
+        self.backend.draft_backend = d.backend
 
     # --- generation -------------------------------------------------------------------------
     def count_tokens(self, history: list[dict], system_prompt: str = "") -> int:

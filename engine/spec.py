@@ -1,4 +1,5 @@
-"""Speculative decoding's drafter: prompt lookup (n-gram matching over the conversation).
+"""Speculative decoding's drafters: prompt lookup (n-gram matching over the conversation) and a
+draft model (a smaller model of the same tokenizer, decoding greedily ahead of the target).
 
 A coding assistant's reply often repeats what it was shown ("add type hints to this",
 "rename x to y"). The drafter proposes the tokens that followed the most recent earlier
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-SPEC_MODES = ("ngram",)  # Backend.spec values besides None (off)
+SPEC_MODES = ("ngram", "draft")  # Backend.spec values besides None (off)
 
 MAX_N = 4        # longest n-gram matched
 MIN_N = 2        # shortest n-gram matched (one token drafts too often wrong to pay)
@@ -79,3 +80,51 @@ class NgramDrafter:
             self.k = min(self.k_max, self.k + 2)
         else:
             self.k = max(self.k_min, accepted + 1)
+
+
+class ModelDrafter:
+    """Drafts with a draft model's backend (`draft`, e.g. a 0.5B for a 7B of the same
+    tokenizer): its greedy continuation of the context, k ids at a time.
+
+    The draft backend keeps its own cache of a prefix of the context: each draft truncates it
+    to the longest prefix it shares with the context (the ids it drafted and the target kept
+    stay cached), forwards the rest, then decodes k - 1 more steps. Greedy drafts are a
+    deterministic drafter, so Sampler.verify's rule keeps the target's distribution exact; a
+    draft whose context no longer fits the draft model's cache is not made. The interface is
+    NgramDrafter's (extend, draft, update)."""
+
+    def __init__(self, draft, tokens: Sequence[int] = (), target_vocab: int | None = None,
+                 k_start: int = K_START, k_min: int = K_MIN, k_max: int = K_MAX) -> None:
+        self.backend = draft
+        self.k, self.k_min, self.k_max = k_start, k_min, k_max
+        self.tokens: list[int] = [int(t) for t in tokens]
+        # ids both models have rows for (the same tokenizer, embeddings padded differently)
+        self._vocab = min(draft.config.vocab_size, target_vocab or draft.config.vocab_size)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+
+    def draft(self, limit: int | None = None) -> list[int]:
+        import torch
+
+        k = self.k if limit is None else min(self.k, limit)
+        be, ctx, vocab = self.backend, self.tokens, self._vocab
+        if k <= 0 or not ctx or len(ctx) + k - 1 > be.max_context:
+            return []
+        keep = 0
+        for a, b in zip(be.kv_tokens, ctx):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(ctx) - 1)         # at least the last context id is forwarded
+        new = ctx[keep:]
+        if any(not 0 <= t < vocab for t in new):
+            return []  # an id past the draft's embedding rows
+        be.truncate(keep)
+        out = [int(torch.argmax(be.forward(new)[:vocab]))]
+        while len(out) < k:
+            out.append(int(torch.argmax(be.forward([out[-1]])[:vocab])))
+        return out
+
+    def update(self, drafted: int, accepted: int) -> None:
+        NgramDrafter.update(self, drafted, accepted)  # the same adaptation of k

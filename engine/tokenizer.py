@@ -143,6 +143,11 @@ class Tokenizer:
                               "convert it again with the model's own tokenizer")
         return tok
 
+    def same_vocabulary(self, other: "Tokenizer") -> bool:
+        """Whether `other` maps every token to the same id (a draft model's requirement)."""
+        return self._tok.get_vocab(with_added_tokens=True) == \
+            other._tok.get_vocab(with_added_tokens=True)
+
     def encode(self, text: str) -> list[int]:
         """Ids of `text`; special tokens written in the text (e.g. <|im_start|>) are recognised.
         No BOS/EOS is added: Qwen2 uses none, and chat prompts carry their own markers."""

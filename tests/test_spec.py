@@ -272,3 +272,61 @@ def test_cli_generate_spec_stats(capsys):
     plain = capsys.readouterr()
     assert spec.out == plain.out
     assert "spec ngram: drafted" in spec.err and "spec ngram" not in plain.err
+
+
+# --- the draft-model drafter -------------------------------------------------------------------
+def test_a_draft_model_gives_the_same_reply(engine):
+    """The bundled model drafting for itself (the same tokenizer): greedy replies identical
+    to plain decoding, the cache invariant at every suspension, nearly every draft kept (the
+    same weights; a draft made one token at a time and its check in a multi-token forward
+    may round a near-tie differently)."""
+    from nanoqwen.engine.service import EngineService
+
+    svc = EngineService.open(MODEL, backend="reference")
+    try:
+        svc.set_spec("draft", draft=MODEL)
+        be = svc.backend
+        assert be.draft_backend is not None and svc.spec == "draft"
+        for text in PROMPTS[::2]:
+            ids = prompt_ids(engine, text)
+            plain = run(be, ids, GREEDY, 120, None, engine.tokenizer.stop_ids)
+            spec = run(be, ids, GREEDY, 120, "draft", engine.tokenizer.stop_ids,
+                       check=invariant(be, ids))
+            assert spec == plain
+            st = be.spec_stats
+            assert st["verify_steps"] > 0 and st["accepted"] >= 0.9 * st["drafted"], st
+    finally:
+        svc.close()
+    assert be.draft_backend is None   # closed with the service
+
+
+def test_a_draft_model_of_another_tokenizer_is_refused(tiny_model_path):
+    from nanoqwen.engine.errors import NanoqwenError
+    from nanoqwen.engine.service import EngineService
+
+    if not MODEL.is_file():
+        pytest.skip("the bundled model is absent")
+    svc = EngineService.open(MODEL, backend="reference")
+    try:
+        with pytest.raises(NanoqwenError, match="has another tokenizer than .*same vocabulary"):
+            svc.set_spec("draft", draft=tiny_model_path)
+        assert svc.spec is None and svc.backend.draft_backend is None
+        with pytest.raises(ValueError, match="'draft' needs a draft model"):
+            svc.set_spec("draft")
+    finally:
+        svc.close()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--spec", "draft"], "--spec draft: speculative decoding 'draft' needs a draft model"),
+    (["--draft", "x.nanoqwen"], "--draft FILE goes with --spec draft"),
+])
+def test_cli_draft_flags_are_checked(capsys, args, says):
+    if not MODEL.is_file():
+        pytest.skip("the bundled model is absent")
+    from nanoqwen.engine.cli import main
+
+    assert main(["generate", "-m", str(MODEL), "--backend", "reference", "-n", "4",
+                 "--prompt", "hi", *args]) == 1
+    err = capsys.readouterr().err
+    assert says in err, err

@@ -57,6 +57,7 @@ class Backend:
         self.kv_tokens: list[int] = []
         self._mode = self.modes[0]
         self._spec: str | None = None
+        self.draft_backend: Backend | None = None   # spec "draft": the draft model's backend
         # the latest turn's speculation figures: drafted / accepted ids, verify steps
         self.spec_stats: dict[str, int] = {}
 
@@ -85,6 +86,9 @@ class Backend:
             have = ", ".join(self.spec_modes) or "none yet"
             raise ValueError(f"speculative decoding {value!r} is not available on the "
                              f"{self.name} backend (available: {have})")
+        if value == "draft" and self.draft_backend is None:
+            raise ValueError("speculative decoding 'draft' needs a draft model (a .nanoqwen of "
+                             "the same tokenizer; nanoqwen generate --draft FILE)")
         self._spec = value
 
     # --- primitives for subclasses ------------------------------------------------------
@@ -190,7 +194,7 @@ class Backend:
         each token's step_ms is its step's time shared equally (the effective rate). The
         turn ends as generate()'s does (stop id, max_new_tokens, cancel -- checked per step
         --, full cache); drafts are capped so that neither limit can be overrun."""
-        from ..spec import NgramDrafter
+        from ..spec import ModelDrafter, NgramDrafter
 
         stats = self.spec_stats = dict(drafted=0, accepted=0, verify_steps=0)
         if cancel is not None and cancel.is_set():
@@ -204,7 +208,9 @@ class Backend:
         token, ms = self._compute(first)
         last_yield = time.perf_counter()
         yield [StepEvent(token, ms, True)]   # TTFT never waits for a window
-        drafter = NgramDrafter(self.kv_tokens + [token])
+        context = self.kv_tokens + [token]
+        drafter = (ModelDrafter(self.draft_backend, context, self.config.vocab_size)
+                   if self._spec == "draft" else NgramDrafter(context))
         n_out, last = 1, token
         pending: list[StepEvent] = []
         while not (last in stop_ids or n_out >= max_new_tokens
@@ -212,9 +218,12 @@ class Backend:
                    or (cancel is not None and cancel.is_set())):
             # room for the drafts after `last`, and at most one token past them to emit
             limit = min(self.max_context - len(self.kv_tokens) - 1, max_new_tokens - n_out - 1)
+            t0 = time.perf_counter()
             drafts = drafter.draft(limit) if limit > 0 else []
+            draft_ms = (time.perf_counter() - t0) * 1e3   # a draft model's steps count too
             emitted, ms, accepted = self._compute(self._verify_step, last, drafts, sampler,
                                                   stop_ids)
+            ms += draft_ms
             if drafts:
                 stats["drafted"] += len(drafts)
                 stats["accepted"] += accepted
