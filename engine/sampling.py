@@ -237,24 +237,11 @@ class Sampler:
         """Draw the next id from fp32 `logits` [V]; `history` is the context so far."""
         import torch
 
-        if logits.dim() != 1:
-            raise ValueError(f"logits must be 1-D [V], got shape {tuple(logits.shape)}")
-        p = self.params
-        logits = logits.detach().to(device="cpu", dtype=torch.float32)
-        logits = apply_repeat_penalty(logits, history, p.repeat_penalty, p.repeat_last_n)
-        if p.greedy:
+        logits = self._penalised(logits, history)
+        if self.params.greedy:
             return int(torch.argmax(logits))              # first maximum = lowest id on ties
-        vals, ids = _candidates(logits, p)
-        # Inverse-CDF draw: one uniform from the seeded generator against the cumulative
-        # distribution (torch.multinomial takes ~4 ms on a full 152k row; this ~0.4 ms).
-        # softmax in fp32 is exact to ~1e-7 per token; the cdf is summed in fp64 so a long
-        # row does not accumulate rounding. A zero-probability token is never picked: its
-        # cdf equals its predecessor's.
-        probs = torch.softmax(vals / p.temperature, 0)
-        cdf = torch.cumsum(probs.double(), 0)
-        u = torch.rand((), generator=self._gen, dtype=torch.float64) * cdf[-1]
-        i = min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
-        return int(ids[i])
+        ids, probs = self._kept(logits)
+        return self._draw(ids, probs)
 
     def verify(self, logits: torch.Tensor, history: Sequence[int], draft: int
                ) -> tuple[int, bool]:
@@ -268,14 +255,10 @@ class Sampler:
         """
         import torch
 
-        p = self.params
-        if p.greedy:
+        if self.params.greedy:
             t = self.sample(logits, history)
             return t, t == draft
-        logits = logits.detach().to(device="cpu", dtype=torch.float32)
-        logits = apply_repeat_penalty(logits, history, p.repeat_penalty, p.repeat_last_n)
-        vals, ids = _candidates(logits, p)
-        probs = torch.softmax(vals / p.temperature, 0).double()
+        ids, probs = self._kept(self._penalised(logits, history))
         at = torch.nonzero(ids == int(draft)).flatten()
         p_d = float(probs[at[0]]) if len(at) else 0.0
         u = float(torch.rand((), generator=self._gen, dtype=torch.float64))
@@ -284,9 +267,36 @@ class Sampler:
         if len(at):
             probs = probs.clone()
             probs[at[0]] = 0.0
-        cdf = torch.cumsum(probs, 0)
-        if float(cdf[-1]) <= 0.0:   # p(draft) rounded to 1 and u landed above it
+        if float(probs.sum()) <= 0.0:   # p(draft) rounded to 1 and u landed above it
             return int(draft), True
-        u2 = torch.rand((), generator=self._gen, dtype=torch.float64) * cdf[-1]
-        i = min(int(torch.searchsorted(cdf, u2, right=True)), len(cdf) - 1)
-        return int(ids[i]), False
+        return self._draw(ids, probs), False
+
+    def _penalised(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
+        """fp32 CPU `logits` [V] with the repetition penalty over `history` applied."""
+        import torch
+
+        if logits.dim() != 1:
+            raise ValueError(f"logits must be 1-D [V], got shape {tuple(logits.shape)}")
+        p = self.params
+        logits = logits.detach().to(device="cpu", dtype=torch.float32)
+        return apply_repeat_penalty(logits, history, p.repeat_penalty, p.repeat_last_n)
+
+    def _kept(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, fp64 probabilities) of the tokens top-k / top-p / min-p keep, at the
+        temperature. softmax in fp32 is exact to ~1e-7 per token; the draw sums in fp64."""
+        import torch
+
+        vals, ids = _candidates(logits, self.params)
+        return ids, torch.softmax(vals / self.params.temperature, 0).double()
+
+    def _draw(self, ids: torch.Tensor, probs: torch.Tensor) -> int:
+        """Inverse-CDF draw: one uniform from the seeded generator against the cumulative
+        distribution (torch.multinomial takes ~4 ms on a full 152k row; this ~0.4 ms). The cdf
+        is summed in fp64 so a long row does not accumulate rounding; a zero-probability token
+        is never picked: its cdf equals its predecessor's."""
+        import torch
+
+        cdf = torch.cumsum(probs, 0)
+        u = torch.rand((), generator=self._gen, dtype=torch.float64) * cdf[-1]
+        i = min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
+        return int(ids[i])

@@ -179,8 +179,8 @@ def run_turn(backend, tokenizer, prompt_ids: Sequence[int], params, max_new_toke
     else:
         reason = "context"
     decode = step_ms[1:]
-    spec = getattr(backend, "spec", None)
-    sst = (getattr(backend, "spec_stats", None) or {}) if spec else {}
+    spec = backend.spec
+    sst = backend.spec_stats if spec else {}
     n_prefilled = len(prompt_ids) - n_reuse
     yield Stats(
         ttft_ms=step_ms[0] if step_ms else 0.0,

@@ -25,17 +25,33 @@ MIN_N = 2        # shortest n-gram matched (one token drafts too often wrong to 
 K_MIN, K_START, K_MAX = 1, 4, 12  # draft length bounds and start
 
 
-class NgramDrafter:
+class _Drafter:
+    """What both drafters share: the draft length k, adapted to the acceptance."""
+
+    def __init__(self, k_start: int, k_min: int, k_max: int) -> None:
+        if not 1 <= k_min <= k_start <= k_max:
+            raise ValueError(f"draft lengths {k_min} <= {k_start} <= {k_max} do not hold")
+        self.k, self.k_min, self.k_max = k_start, k_min, k_max
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Adapt the draft length to the last verify step's acceptance."""
+        if drafted <= 0:
+            return
+        if accepted == drafted:
+            self.k = min(self.k_max, self.k + 2)
+        else:
+            self.k = max(self.k_min, accepted + 1)
+
+
+class NgramDrafter(_Drafter):
     """Drafts continuations of `tokens` (the whole context so far) from its own history."""
 
     def __init__(self, tokens: Sequence[int] = (), max_n: int = MAX_N, min_n: int = MIN_N,
                  k_start: int = K_START, k_min: int = K_MIN, k_max: int = K_MAX) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes {min_n}..{max_n}: need 1 <= min_n <= max_n")
-        if not 1 <= k_min <= k_start <= k_max:
-            raise ValueError(f"draft lengths {k_min} <= {k_start} <= {k_max} do not hold")
+        super().__init__(k_start, k_min, k_max)
         self.max_n, self.min_n = max_n, min_n
-        self.k, self.k_min, self.k_max = k_start, k_min, k_max
         self.tokens: list[int] = []
         # _last[n]: n-gram -> end position of its latest occurrence; _prev[n]: for the n-gram
         # ending at the last position, the end of its previous occurrence (or -1)
@@ -72,17 +88,8 @@ class NgramDrafter:
                     return cont
         return []
 
-    def update(self, drafted: int, accepted: int) -> None:
-        """Adapt the draft length to the last verify step's acceptance."""
-        if drafted <= 0:
-            return
-        if accepted == drafted:
-            self.k = min(self.k_max, self.k + 2)
-        else:
-            self.k = max(self.k_min, accepted + 1)
 
-
-class ModelDrafter:
+class ModelDrafter(_Drafter):
     """Drafts with a draft model's backend (`draft`, e.g. a 0.5B for a 7B of the same
     tokenizer): its greedy continuation of the context, k ids at a time.
 
@@ -91,12 +98,12 @@ class ModelDrafter:
     stay cached), forwards the rest, then decodes k - 1 more steps. Greedy drafts are a
     deterministic drafter, so Sampler.verify's rule keeps the target's distribution exact; a
     draft whose context no longer fits the draft model's cache is not made. The interface is
-    NgramDrafter's (extend, draft, update)."""
+    NgramDrafter's (extend, draft, and _Drafter's update)."""
 
     def __init__(self, draft, tokens: Sequence[int] = (), target_vocab: int | None = None,
                  k_start: int = K_START, k_min: int = K_MIN, k_max: int = K_MAX) -> None:
+        super().__init__(k_start, k_min, k_max)
         self.backend = draft
-        self.k, self.k_min, self.k_max = k_start, k_min, k_max
         self.tokens: list[int] = [int(t) for t in tokens]
         # ids both models have rows for (the same tokenizer, embeddings padded differently)
         self._vocab = min(draft.config.vocab_size, target_vocab or draft.config.vocab_size)
@@ -125,6 +132,3 @@ class ModelDrafter:
         while len(out) < k:
             out.append(int(torch.argmax(be.forward([out[-1]])[:vocab])))
         return out
-
-    def update(self, drafted: int, accepted: int) -> None:
-        NgramDrafter.update(self, drafted, accepted)  # the same adaptation of k

@@ -65,6 +65,15 @@ def invariant(be, ids):
     return check
 
 
+def same_as_plain(be, ids, n, spec, stop_ids=frozenset(), window_s=0.0) -> list[int]:
+    """The turn with speculation `spec` (the invariant checked at every suspension) equals the
+    plain turn, token for token; the tokens."""
+    plain = run(be, ids, GREEDY, n, None, stop_ids)
+    out = run(be, ids, GREEDY, n, spec, stop_ids, window_s=window_s, check=invariant(be, ids))
+    assert out == plain
+    return out
+
+
 # --- the drafter ---------------------------------------------------------------------------
 def test_drafter_takes_the_longest_latest_match():
     d = NgramDrafter([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 4, 2, 3], k_start=3)
@@ -146,10 +155,7 @@ def test_verify_keeps_the_target_distribution(draft, params):
 def test_greedy_identical_with_and_without_speculation(engine, text):
     be = engine.backend
     ids = prompt_ids(engine, text)
-    plain = run(be, ids, GREEDY, 160, None, engine.tokenizer.stop_ids)
-    spec = run(be, ids, GREEDY, 160, "ngram", engine.tokenizer.stop_ids,
-               check=invariant(be, ids))
-    assert spec == plain
+    same_as_plain(be, ids, 160, "ngram", engine.tokenizer.stop_ids)
     st = be.spec_stats
     assert st["verify_steps"] > 0 and 0 <= st["accepted"] <= st["drafted"]
     if text != PROMPTS[-1]:
@@ -163,9 +169,7 @@ def test_chunks_at_a_window_and_stats_in_the_session(engine):
 
     be = engine.backend
     ids = prompt_ids(engine, PROMPTS[0])
-    a = run(be, ids, GREEDY, 120, "ngram", check=invariant(be, ids), window_s=0.03)
-    b = run(be, ids, GREEDY, 120, None)
-    assert a == b
+    same_as_plain(be, ids, 120, "ngram", window_s=0.03)
     be.truncate(0)
     be.spec = "ngram"
     try:
@@ -181,9 +185,7 @@ def test_chunks_at_a_window_and_stats_in_the_session(engine):
 def test_max_new_tokens_is_never_overrun(engine, n):
     be = engine.backend
     ids = prompt_ids(engine, PROMPTS[0])
-    out = run(be, ids, GREEDY, n, "ngram", check=invariant(be, ids))
-    assert out == run(be, ids, GREEDY, n, None)
-    assert len(out) == n
+    assert len(same_as_plain(be, ids, n, "ngram")) == n
 
 
 def test_stop_inside_a_drafted_run(engine):
@@ -210,9 +212,8 @@ def test_context_full_in_the_middle_of_a_draft(engine):
     eng2 = load(MODEL, backend="reference", max_context=len(ids) + 37)
     try:
         be = eng2.backend
-        plain = run(be, ids, GREEDY, 500, None)
-        out = run(be, ids, GREEDY, 500, "ngram", check=invariant(be, ids))
-        assert out == plain and len(be.kv_tokens) == be.max_context
+        same_as_plain(be, ids, 500, "ngram")
+        assert len(be.kv_tokens) == be.max_context
     finally:
         eng2.close()
 
@@ -289,10 +290,7 @@ def test_a_draft_model_gives_the_same_reply(engine):
         assert be.draft_backend is not None and svc.spec == "draft"
         for text in PROMPTS[::2]:
             ids = prompt_ids(engine, text)
-            plain = run(be, ids, GREEDY, 120, None, engine.tokenizer.stop_ids)
-            spec = run(be, ids, GREEDY, 120, "draft", engine.tokenizer.stop_ids,
-                       check=invariant(be, ids))
-            assert spec == plain
+            same_as_plain(be, ids, 120, "draft", engine.tokenizer.stop_ids)
             st = be.spec_stats
             assert st["verify_steps"] > 0 and st["accepted"] >= 0.9 * st["drafted"], st
     finally:
