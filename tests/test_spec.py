@@ -315,6 +315,33 @@ def test_a_draft_model_of_another_tokenizer_is_refused(tiny_model_path):
         svc.close()
 
 
+def test_a_missing_or_truncated_draft_file_is_refused_and_loses_nothing(tmp_path):
+    """A draft file that does not load: a clear error naming it, no speculation set, and the
+    engine still answers as before (the same greedy reply)."""
+    from nanoqwen.engine.errors import NanoqwenError
+    from nanoqwen.engine.service import EngineService, Finished
+
+    if not MODEL.is_file():
+        pytest.skip("the bundled model is absent")
+    truncated = tmp_path / "cut.nanoqwen"
+    truncated.write_bytes(MODEL.read_bytes()[:5000])
+    svc = EngineService.open(MODEL, backend="reference")
+    try:
+        def reply():
+            return [e for e in svc.submit([], "def add", GREEDY, 12)
+                    if isinstance(e, Finished)][0].stats.n_generated
+        before = reply()
+        for bad, says in [(tmp_path / "nope.nanoqwen", "does not exist"),
+                          (truncated, "is truncated")]:
+            with pytest.raises(NanoqwenError, match=says) as e:
+                svc.set_spec("draft", draft=bad)
+            assert str(bad) in str(e.value)
+            assert svc.spec is None and svc.backend.draft_backend is None
+        assert reply() == before
+    finally:
+        svc.close()
+
+
 @pytest.mark.parametrize("args, says", [
     (["--spec", "draft"], "--spec draft: speculative decoding 'draft' needs a draft model"),
     (["--draft", "x.nanoqwen"], "--draft FILE goes with --spec draft"),
