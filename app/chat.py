@@ -3,10 +3,11 @@
 A reply's life: `send` stores the user message, asks the engine service for the reply
 (`submit`, in the UI thread: it only builds the iterator, so an Esc that comes before the
 thread starts is not lost) and iterates it in a thread of its own, started at once; then it
-stores an empty assistant row and mounts the widgets while the engine prefills, with an empty
-paragraph for the first text to fill (AssistantMessage.open_block); the screen makes no frame
-until that text is in (at most FIRST_FRAME_HOLD), so the new messages and the start of the
-reply appear together. The service sends at most one event per ~40 ms window (text + the engine's
+stores an empty assistant row and shows the turn's two widgets while the engine prefills:
+they were mounted, empty and hidden, while nobody waited (_prepare_next), the reply with an
+empty paragraph for the first text to fill in place (AssistantMessage.open_block); the
+screen makes no frame until that text is in (at most FIRST_FRAME_HOLD), so the new messages
+and the start of the reply appear together. The service sends at most one event per ~40 ms window (text + the engine's
 timings); the worker forwards each with `post_message`; `on_reply_event` writes the text to
 the store *before* handing it to the Markdown stream, so whatever is on screen is already on
 disk, and then tells the perf panel when that text reached the screen. Esc cancels through
@@ -35,6 +36,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Label, ProgressBar
+from textual.widgets._markdown import MarkdownBlock
 
 from nanoqwen.engine.service import Batch, Failed, Finished, Note, ServiceEvent
 
@@ -180,6 +182,7 @@ class ChatScreen(Screen):
         self._earlier = 0   # the open chat's oldest messages not mounted (CHAT_WINDOW)
         self._showing = False   # show_earlier is mounting a batch
         self._copied = (float("-inf"), 0, 0)   # (when, which block, of how many): F2 cycles
+        self._next: tuple[UserMessage, AssistantMessage] | None = None   # _prepare_next
 
     # --- layout ------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -203,6 +206,8 @@ class ChatScreen(Screen):
         latest = self.app.store.latest_chat()
         if latest is not None:
             self.open_chat(latest)
+        else:
+            self.call_after_refresh(self._prepare_next)
         self.app.chat_ready()
 
     @property
@@ -291,7 +296,46 @@ class ChatScreen(Screen):
                 for m in listed]
 
     def _mounted_messages(self) -> list:
-        return list(self.query_one("#messages").query_children(".message"))
+        """The messages on the list, oldest first (not the hidden next turn's two)."""
+        hidden = self._next or ()
+        return [w for w in self.query_one("#messages").query_children(".message")
+                if w not in hidden]
+
+    def shown_messages(self, kind: type | None = None) -> list:
+        """The mounted messages (of `kind`, UserMessage or AssistantMessage), oldest first."""
+        return [w for w in self._mounted_messages() if kind is None or isinstance(w, kind)]
+
+    async def _prepare_next(self) -> None:
+        """Mount the next turn's user message and reply, empty and hidden, at the end of the
+        list, while nobody waits (after a chat opens, after a reply ends): Enter then fills
+        and shows them (_start_reply) instead of mounting two messages and the reply's first
+        paragraph, which on the H200's host took 6.5-12 ms of the UI thread after Enter
+        while the engine prefilled, and delayed the worker's post of the first text (it
+        waits for the GIL) by 2-5 ms more."""
+        if self._next is not None or self.generating or not self.is_mounted:
+            return
+        user = UserMessage("", None)
+        reply = AssistantMessage("", None, finish=None, streaming=True)
+        for w in (user, reply):
+            w.display = False
+        self._next = (user, reply)
+        box = self.query_one("#messages", VerticalScroll)
+        await box.mount_all([user, reply])
+        await reply.open_block()
+
+    def _take_next(self) -> tuple[UserMessage, AssistantMessage] | None:
+        """The hidden next turn, if it is mounted and still last on the list; else None
+        (the caller mounts new widgets)."""
+        pair, self._next = self._next, None
+        if pair is None:
+            return None
+        children = list(self.query_one("#messages").children)
+        if (children[-2:] != list(pair) or not all(w.is_mounted for w in pair)
+                or not pair[1].query(MarkdownBlock)):
+            for w in pair:
+                w.remove()
+            return None
+        return pair
 
     def _set_earlier(self, n: int) -> None:
         """The note over the list says `n` messages are not mounted (none: no note)."""
@@ -353,6 +397,7 @@ class ChatScreen(Screen):
         """Show a stored chat (None: an empty new chat), its newest CHAT_WINDOW messages."""
         box = self.query_one("#messages", VerticalScroll)
         self.call_later(self._collect_after, box.remove_children())
+        self._next = None   # removed with the rest
         self.chat_id = chat_id
         self._earlier = 0
         about = self.app.store.chat(chat_id) if chat_id is not None else None
@@ -372,6 +417,7 @@ class ChatScreen(Screen):
         prompt.prompts = [m.content for m in stored if m.role == "user"]   # Up recalls them
         prompt.remember("")
         self._update_context(self._history(stored))  # the rows just read, not a second query
+        self.call_after_refresh(self._prepare_next)   # after the chat's own frame
 
     # --- sending -------------------------------------------------------------------------
     @on(PromptInput.Submitted)
@@ -419,16 +465,17 @@ class ChatScreen(Screen):
             title = None
         history = self._history()
         msg_id = store.add_message(self.chat_id, "user", text)
-        await self._start_reply(history, text, t0, UserMessage(text, msg_id), title)
+        await self._start_reply(history, text, t0, (text, msg_id), title)
         return True
 
     async def _start_reply(self, history: list[dict], text: str, t0: float,
-                           user: UserMessage | None = None, title: str | None = None) -> None:
-        """Start the engine on the reply, then show it (and `user`, the message it answers,
-        when that is new; `title`, the app's new title): the engine's prefill runs while the
-        screen mounts and paints the new messages, instead of after. No ReplyEvent is
-        handled before this returns (the screen handles its messages one at a time), so the
-        reply's widgets exist by then."""
+                           user: tuple[str, int] | None = None,
+                           title: str | None = None) -> None:
+        """Start the engine on the reply, then show it (and `user`, the text and id of the
+        message it answers, when that is new; `title`, the app's new title): the engine's
+        prefill runs while the screen shows the new messages, instead of after. No
+        ReplyEvent is handled before this returns (the screen handles its messages one at a
+        time), so the reply's widgets exist by then."""
         app = self.app
         s = app.settings
         self._gen += 1
@@ -441,8 +488,19 @@ class ChatScreen(Screen):
         except BaseException:
             app.engine.cancel()   # nobody would read the reply
             raise
-        widget = AssistantMessage("", msg_id)
-        widget.set_finish(None, streaming=True)
+        pair = self._take_next()   # mounted while idle (_prepare_next), or None
+        if pair is not None:
+            user_widget, widget = pair
+            if user is not None:
+                user_widget.update(user[0])
+                user_widget.msg_id = user[1]
+            else:
+                user_widget.remove()   # a regenerated reply answers a message shown already
+                user_widget = None
+        else:
+            user_widget = UserMessage(*user) if user is not None else None
+            widget = AssistantMessage("", None, finish=None, streaming=True)
+        widget.msg_id = msg_id
         # an engine on the CPU needs the cores the UI paints with (CPU_ENGINE_UI_SHARE)
         share = CPU_ENGINE_UI_SHARE if app.engine.info.device == "cpu" else None
         stream = AssistantMessage.get_stream(widget, share)
@@ -459,8 +517,13 @@ class ChatScreen(Screen):
         _FrameHold(app, stream, after)
         perf.start_reply(t0)
         box = self.query_one("#messages", VerticalScroll)
-        await box.mount_all([user, widget] if user is not None else [widget])
-        await widget.open_block()
+        if pair is not None:
+            for w in (user_widget, widget):
+                if w is not None:
+                    w.display = True
+        else:
+            await box.mount_all([w for w in (user_widget, widget) if w is not None])
+            await widget.open_block()
         box.scroll_end(animate=False)   # a new turn follows the stream again
 
     def _generate(self, gen_id: int, events: Iterator[ServiceEvent]) -> None:
@@ -512,6 +575,7 @@ class ChatScreen(Screen):
             self._trim()
             heap.collect_soon(self.app)   # while nobody waits (heap.py)
             r.widget.set_finish(finish, error=error)
+            self.call_after_refresh(self._prepare_next)   # after the reply's last frame
             if isinstance(ev, Failed):
                 title = {"oom": "Out of memory", "context": "Context full"}.get(ev.kind,
                                                                                 "Engine error")

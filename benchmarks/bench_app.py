@@ -259,10 +259,11 @@ async def app_turn(app, clock: ScreenClock, text: str, timeout: float) -> dict:
     from nanoqwen.app.widgets import AssistantMessage, PromptInput
 
     chat = app.chat
-    before = {id(w) for w in chat.query(AssistantMessage)}
+    before = {id(w) for w in chat.shown_messages(AssistantMessage)}
 
     def new_reply():
-        return next((w for w in chat.query(AssistantMessage) if id(w) not in before), None)
+        return next((w for w in chat.shown_messages(AssistantMessage) if id(w) not in before),
+                    None)
     prompt = chat.query_one("#prompt", PromptInput)
     prompt.text = text
     prompt.focus()

@@ -77,13 +77,13 @@ async def loaded(app, pilot) -> None:
 async def send(app, pilot, text: str | None) -> AssistantMessage:
     """Put `text` in the prompt (None: keep what was typed) and press Enter; the reply's
     widget (the reply may already have finished: the tiny model is fast)."""
-    n = len(app.chat.query(AssistantMessage))
+    n = len(app.chat.shown_messages(AssistantMessage))
     if text is not None:
         app.chat.query_one("#prompt", PromptInput).text = text
     await pilot.press("enter")
-    await wait_for(pilot, lambda: len(app.chat.query(AssistantMessage)) > n, 10,
+    await wait_for(pilot, lambda: len(app.chat.shown_messages(AssistantMessage)) > n, 10,
                    "the reply to start")
-    return app.chat.query(AssistantMessage).last()
+    return app.chat.shown_messages(AssistantMessage)[-1]
 
 
 async def reply_done(app, pilot, timeout: float = 90.0) -> None:
@@ -658,14 +658,14 @@ async def test_history_is_there_after_a_restart(dirs, tiny_model_path):
         await loaded(app, pilot)
         await send(app, pilot, "remember me")
         await reply_done(app, pilot)
-        reply = app.chat.query(AssistantMessage).last().source
+        reply = app.chat.shown_messages(AssistantMessage)[-1].source
     app = NanoqwenApp()   # no --model: the last model used
     async with app.run_test(size=SIZE) as pilot:
         await loaded(app, pilot)
         assert app.engine.info.path == Path(tiny_model_path).resolve()
-        users = [w.render().plain for w in app.chat.query(UserMessage)]
+        users = [w.render().plain for w in app.chat.shown_messages(UserMessage)]
         assert users == ["remember me"]
-        assert [w.source for w in app.chat.query(AssistantMessage)] == [reply]
+        assert [w.source for w in app.chat.shown_messages(AssistantMessage)] == [reply]
         assert app.chat.perf.kv_len > 0   # the reopened chat's size in tokens
 
 
@@ -740,7 +740,7 @@ async def test_killed_mid_reply_keeps_what_was_shown(dirs, tiny_model_path):
     app = NanoqwenApp(model=tiny_model_path)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(app, pilot)
-        shown = app.chat.query(AssistantMessage).last()
+        shown = app.chat.shown_messages(AssistantMessage)[-1]
         assert shown.source == msgs[1].content
         assert "interrupted" in shown.border_subtitle
 
@@ -814,11 +814,70 @@ async def test_regenerate_replaces_the_last_reply(dirs, tiny_model_path):
         after = app.store.messages(app.chat.chat_id)
         assert [m.role for m in after] == ["user", "assistant"]
         assert after[1].content == before[1].content   # greedy: the same reply again
-        assert len(app.chat.query(AssistantMessage)) == 1
+        assert len(app.chat.shown_messages(AssistantMessage)) == 1
+
+
+@aio
+async def test_the_next_turn_waits_mounted_and_hidden_and_enter_shows_those_widgets(
+        dirs, tiny_model_path):
+    """chat._prepare_next: while nobody waits (the app open, a reply ended, a chat opened)
+    the next user message and reply are mounted empty, hidden and last on the list; Enter
+    fills and shows those very widgets (no mount after Enter), a regenerated reply takes
+    the hidden reply and drops the hidden user message, and another chat replaces them.
+    Hidden ones are never counted as messages, and what is stored matches what is shown."""
+    from textual.widgets._markdown import MarkdownBlock
+
+    use_settings(max_new_tokens=6)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        chat = app.chat
+        box = chat.query_one("#messages")
+
+        def ready() -> bool:
+            pair = chat._next
+            return (pair is not None and all(w.is_mounted for w in pair)
+                    and bool(pair[1].query(MarkdownBlock)))
+
+        def hidden() -> list:
+            return [w for w in box.children if not w.display]
+        await wait_for(pilot, ready, 10, "the next turn (app open)")
+        user, reply = chat._next
+        assert list(box.children)[-2:] == [user, reply] == hidden()
+        assert chat.shown_messages() == []
+        assert await send(app, pilot, "def add(a, b):") is reply
+        await reply_done(app, pilot)
+        assert chat.shown_messages() == [user, reply] and user.display and reply.display
+        stored = app.store.messages(chat.chat_id)
+        assert [m.id for m in stored] == [user.msg_id, reply.msg_id]
+        assert user.render().plain == stored[0].content == "def add(a, b):"
+        assert reply.source == stored[1].content and "streaming" not in reply.border_subtitle
+
+        await wait_for(pilot, ready, 10, "the next turn (reply ended)")
+        user2, reply2 = chat._next
+        assert list(box.children)[-2:] == [user2, reply2] == hidden()
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: chat.last_reply.widget is reply2, 10, "the new reply")
+        await reply_done(app, pilot)
+        await pilot.pause(0.1)
+        assert user2 not in box.children and reply not in box.children
+        assert chat.shown_messages() == [user, reply2]
+        stored = app.store.messages(chat.chat_id)
+        assert [m.id for m in stored] == [user.msg_id, reply2.msg_id]
+        assert reply2.source == stored[1].content
+
+        await wait_for(pilot, ready, 10, "the next turn (regenerated)")
+        old = chat._next
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: ready() and chat._next is not old, 10,
+                       "the next turn (new chat)")
+        await pilot.pause(0.1)
+        assert not any(w in box.children for w in old) and chat.shown_messages() == []
+        assert list(box.children) == list(chat._next) == hidden()
 
 
 def mounted_ids(app) -> list[int]:
-    return [w.msg_id for w in app.chat.query_one("#messages").query_children(".message")]
+    return [w.msg_id for w in app.chat.shown_messages()]
 
 
 @aio
@@ -854,7 +913,7 @@ async def test_a_long_chat_mounts_its_newest_messages_and_shows_earlier_ones_on_
         await pilot.press("home")               # scrolls to the top first ...
         await pilot.pause(0.1)
         assert mounted_ids(app) == ids[-win:]
-        top = app.chat.query_one("#messages").query_children(".message").first()
+        top = app.chat.shown_messages()[0]
         await pilot.press("home")               # ... at the top: the batch before
         await wait_for(pilot, lambda: len(mounted_ids(app)) == win + batch, 5, "a batch")
         assert mounted_ids(app) == ids[-(win + batch):]
@@ -903,7 +962,7 @@ async def test_new_chat_and_reopen_a_past_one(dirs, tiny_model_path):
         await reply_done(app, pilot)
         first = app.chat.chat_id
         await pilot.press("ctrl+n")
-        assert app.chat.chat_id is None and not app.chat.query(UserMessage)
+        assert app.chat.chat_id is None and not app.chat.shown_messages(UserMessage)
         await send(app, pilot, "chat two")
         await reply_done(app, pilot)
         assert app.chat.chat_id != first
@@ -914,7 +973,7 @@ async def test_new_chat_and_reopen_a_past_one(dirs, tiny_model_path):
         await pilot.press("down", "enter")   # the older chat (newest is first)
         await pilot.pause()
         assert app.chat.chat_id == first
-        assert [w.render().plain for w in app.chat.query(UserMessage)] == ["chat one"]
+        assert [w.render().plain for w in app.chat.shown_messages(UserMessage)] == ["chat one"]
 
 
 CODE_CHAT = [
@@ -1035,7 +1094,7 @@ async def test_chats_are_searched_renamed_given_their_own_system_prompt_and_dele
         assert new_id not in [c.id for c in app.screen.chats]
         await pilot.press("escape")
         await wait_for(pilot, lambda: app.chat.chat_id is None, what="a new chat")
-        assert not app.chat.query(AssistantMessage)
+        assert not app.chat.shown_messages(AssistantMessage)
 
 
 @aio
@@ -1128,7 +1187,7 @@ async def test_a_message_too_long_for_the_context_is_refused_and_stays_to_edit(
         assert f"is {n} tokens" in note and f"at most {ctx - 5} fit" in note
         assert f"holds {ctx}" in note and "Shorten it" in note
         # nothing entered the chat, the store or the history; the text is still there to edit
-        assert not app.chat.query(AssistantMessage) and not app.chat.query(UserMessage)
+        assert not app.chat.shown_messages(AssistantMessage) and not app.chat.shown_messages(UserMessage)
         assert app.chat.chat_id is None and not app.store.list_chats()
         assert prompt.text == too_long and not app.chat.generating
         perf = app.chat.perf
@@ -1164,13 +1223,13 @@ async def test_engine_error_is_reported_kept_with_the_reply_and_the_app_stays_us
             app.chat.chat_id)[-1].finish == "error", 30, "the failed regenerate")
         await pilot.pause(0.05)
         assert any("does not fit the context" in n for n in notes(app))
-        widget = app.chat.query(AssistantMessage).last()
+        widget = app.chat.shown_messages(AssistantMessage)[-1]
         assert widget.border_subtitle.startswith("failed: The message does not fit the context")
         last = app.store.messages(app.chat.chat_id)[-1]
         assert last.stats["error"].startswith("The message does not fit the context")
         app.chat.open_chat(app.chat.chat_id)          # reopened: the reason is still there
         await pilot.pause(0.05)
-        assert app.chat.query(AssistantMessage).last().border_subtitle == \
+        assert app.chat.shown_messages(AssistantMessage)[-1].border_subtitle == \
             widget.border_subtitle
         app.clear_notifications()
         await pilot.press("ctrl+n")     # a new chat: the settings' (empty) system prompt

@@ -24,7 +24,7 @@ import torch
 from textual.app import App
 from textual.containers import VerticalScroll
 from textual.highlight import HighlightTheme
-from textual.widgets._markdown import MarkdownFence
+from textual.widgets._markdown import MarkdownBlock, MarkdownFence
 
 from helpers import TINY_TIED, TINY_UNTIED, file_tensors, random_weights
 from nanoqwen.app import widgets
@@ -181,8 +181,9 @@ async def _settled(app, pilot) -> None:
 
 def test_a_streamed_append_reflows_the_screen_once_and_the_list_follows_it(monkeypatch):
     """Each append costs one layout pass (OnePassLayout: Textual would do a second, identical
-    one for every widget whose size changed), the anchored list still ends at the reply's
-    latest text after every append, and the final screen is a fresh render's."""
+    one for every widget whose size changed), none when it left the reply as high as it was
+    and only extended a paragraph (widgets._SameHeightUpdate), the anchored list still ends
+    at the reply's latest text after every append, and the final screen is a fresh render's."""
     from textual.screen import Screen
 
     monkeypatch.setattr(widgets, "PAINT_INTERVAL", 0.0)
@@ -204,17 +205,23 @@ def test_a_streamed_append_reflows_the_screen_once_and_the_list_follows_it(monke
             await box.mount(reply)
             stream = AssistantMessage.get_stream(reply)
             rnd = random.Random(1)
-            i, per_append = 0, []    # (layout passes, widgets mounted or a scrollbar came)
+            i, per_append = 0, []    # (layout passes, widgets mounted or a scrollbar came,
+            #                            the reply's height changed, a paragraph was last)
             while i < len(text):
                 j = min(len(text), i + rnd.randint(5, 60))
                 await _settled(app, pilot)
                 layouts.clear()
-                before = len(list(reply.walk_children())), box.show_vertical_scrollbar
+                before = (len(list(reply.walk_children())), box.show_vertical_scrollbar,
+                          reply.size.height)
                 await stream.write(text[i:j])
                 i = j
                 await _settled(app, pilot)
-                after = len(list(reply.walk_children())), box.show_vertical_scrollbar
-                per_append.append((len(layouts), after[0] > before[0] or after[1] != before[1]))
+                after = (len(list(reply.walk_children())), box.show_vertical_scrollbar,
+                         reply.size.height)
+                last_block = list(reply.query(MarkdownBlock))[-1]
+                per_append.append((len(layouts), after[0] > before[0] or after[1] != before[1],
+                                   after[2] != before[2],
+                                   type(last_block).__name__ == "MarkdownParagraph"))
                 # anchored: at the end (Textual puts a reply shorter than the list at its
                 # bottom, with a negative scroll_y)
                 assert box.scroll_y == box.max_scroll_y or box.max_scroll_y == 0
@@ -228,7 +235,10 @@ def test_a_streamed_append_reflows_the_screen_once_and_the_list_follows_it(monke
             # one pass, unless the append mounted a block or a chunk (their mount and first
             # sizing take their own) or the list's scrollbar appeared
             assert box.max_scroll_y > 0 and len(per_append) > 30
-            assert all(n == 1 for n, grew in per_append if not grew), str(per_append)
+            assert all(n == 1 for n, grew, taller, para in per_append
+                       if not grew and (taller or not para)), str(per_append)
+            same = [n for n, grew, taller, para in per_append if not grew and not taller and para]
+            assert same and all(n == 0 for n in same), str(per_append)
             return _screen_text(app)
 
     async def fresh():
