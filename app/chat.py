@@ -573,9 +573,11 @@ class ChatScreen(Screen):
             store.update_message(r.msg_id, r.text, finish=finish, stats=stats)
             await r.stream.stop()
             self._trim()
-            heap.collect_soon(self.app)   # while nobody waits (heap.py)
+            # after the reply's last frame, while nobody waits: the next turn's widgets,
+            # then a collection (heap.py)
+            self.call_after_refresh(self._prepare_next)
+            heap.collect_soon(self.app)
             r.widget.set_finish(finish, error=error)
-            self.call_after_refresh(self._prepare_next)   # after the reply's last frame
             if isinstance(ev, Failed):
                 title = {"oom": "Out of memory", "context": "Context full"}.get(ev.kind,
                                                                                 "Engine error")

@@ -259,15 +259,27 @@ async def app_turn(app, clock: ScreenClock, text: str, timeout: float) -> dict:
     from nanoqwen.app.widgets import AssistantMessage, PromptInput
 
     chat = app.chat
-    before = {id(w) for w in chat.shown_messages(AssistantMessage)}
+    def replies():   # an app before shown_messages (verify_app_ab_gpu.sh's base) had none hidden
+        shown = getattr(chat, "shown_messages", None)
+        return shown(AssistantMessage) if shown else list(chat.query(AssistantMessage))
+    before = {id(w) for w in replies()}
 
     def new_reply():
-        return next((w for w in chat.shown_messages(AssistantMessage) if id(w) not in before),
-                    None)
+        return next((w for w in replies() if id(w) not in before), None)
     prompt = chat.query_one("#prompt", PromptInput)
     prompt.text = text
     prompt.focus()
-    await asyncio.sleep(0.05)                        # let the UI settle before Enter
+    # Enter once the UI is quiet (no frame for 100 ms, at most 5 s), as when a person has
+    # read the reply and typed: the end of a reply does its own work after its last frame
+    # (a collection, the next turn's widgets), and a frame made within one frame slot
+    # (1/60 s) before the first text's pushes that frame to the next slot
+    await asyncio.sleep(0.05)
+    quiet_from = time.perf_counter()
+    while time.perf_counter() - quiet_from < 5.0:
+        last = clock.frames[-1] if clock.frames else 0.0
+        if time.perf_counter() - last >= 0.1:
+            break
+        await asyncio.sleep(0.01)
     key = events.Key("enter", "\r")
     key.set_sender(app)
     load = OtherLoad()

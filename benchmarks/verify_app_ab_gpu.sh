@@ -4,8 +4,8 @@
 # Installs and builds (device_setup.sh), converts a 7B-shaped file (random weights, the real
 # tokenizer from .tok/), runs benchmarks/lab/app_timeline.py (bench_app with the timeline of
 # each first text) in graph and eager mode on this tree, then with app/ as it was at $BASE
-# (and bench_app.py, which drives it; engine unchanged) in graph mode, then puts app/ back. Logs and JSON in $OUT.
-# usage (carry .whl and .tok):
+# (engine and benchmarks unchanged) in graph mode, then puts app/ back. Logs and JSON in $OUT.
+# TESTS=1 runs tests/gpu first. usage (carry .whl and .tok):
 #   NANOQWEN_COMMIT=<this tree's commit> BASE=<rev> bash benchmarks/verify_app_ab_gpu.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 NANOQWEN_COMMIT
@@ -19,18 +19,19 @@ app_run() {  # mode, json name
 }
 {
 . benchmarks/device_setup.sh
+[ "${TESTS:-0}" = 1 ] && { t "tests/gpu"; timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/tests_gpu.txt"; }
 t "convert 7b"
 timeout 200 nanoqwen convert --synthetic 7b --tokenizer .tok/tokenizer.json -o /tmp/7b.nanoqwen 2>&1 | tail -2
 for m in graph eager; do t "app $m ($NANOQWEN_COMMIT)"; app_run $m app_7b_${m}_$NANOQWEN_COMMIT; done
 if [ -n "${BASE:-}" ]; then
-  # app/ and bench_app.py (it drives that app) as they were at $BASE
-  cp -r app /tmp/app_tree && cp benchmarks/bench_app.py /tmp/bench_app.py
-  if git archive "$BASE" app benchmarks/bench_app.py > /tmp/base.tar; then
+  # app/ as it was at $BASE (this tree's bench_app.py drives either)
+  cp -r app /tmp/app_tree
+  if git archive "$BASE" app > /tmp/base.tar; then
     rm -rf app && tar -xf /tmp/base.tar
     t "app graph (app/ at $BASE)"
     NANOQWEN_COMMIT=$BASE app_run graph app_7b_graph_$BASE
   else t "no $BASE in this copy's git"; fi
-  rm -rf app && cp -r /tmp/app_tree app && cp /tmp/bench_app.py benchmarks/bench_app.py
+  rm -rf app && cp -r /tmp/app_tree app
 fi
 t "done"
 } 2>&1 | tee "$OUT/verify_app_ab_log.txt"
