@@ -271,7 +271,7 @@ void attention_decode(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, Tensor& counte
 
 void sample_token(Tensor& out_token, Tensor& work, const Tensor& logits, const Tensor& ctx_tokens,
                   const Tensor& pos, const Tensor& params_f, const Tensor& params_i,
-                  const Tensor& counter) {
+                  const Tensor& counter, const c10::optional<Tensor>& path) {
   const char* op = "sample_token";
   check_arg(op, "out_token", out_token, at::kInt);
   check_arg(op, "work", work, at::kFloat);
@@ -293,6 +293,13 @@ void sample_token(Tensor& out_token, Tensor& work, const Tensor& logits, const T
   check_dims(op, "counter", counter, {1});
   for (const Tensor* t : Ts{&work, &logits, &ctx_tokens, &pos, &params_f, &params_i, &counter})
     same_device(op, out_token, *t, "an input");
+  int32_t* path_ptr = nullptr;
+  if (path.has_value()) {
+    check_arg(op, "path", *path, at::kInt);
+    check_dims(op, "path", *path, {1});
+    same_device(op, out_token, *path, "an input");
+    path_ptr = path->data_ptr<int32_t>();
+  }
   const c10::cuda::CUDAGuard g(out_token.device());
   check_launch(op, nanoqwen::sample_token(out_token.data_ptr<int32_t>(), work.data_ptr<float>(),
                                           logits.data_ptr<float>(), (int)V,
@@ -300,7 +307,8 @@ void sample_token(Tensor& out_token, Tensor& work, const Tensor& logits, const T
                                           (int)ctx_tokens.size(0), pos.data_ptr<int32_t>(),
                                           params_f.data_ptr<float>(),
                                           params_i.data_ptr<int64_t>(),
-                                          counter.data_ptr<int64_t>(), stream_of(out_token)));
+                                          counter.data_ptr<int64_t>(), stream_of(out_token),
+                                          path_ptr));
 }
 
 void check_pinned(const char* op, const char* name, const Tensor& t, int64_t cols) {
@@ -884,7 +892,8 @@ TORCH_LIBRARY(nanoqwen, m) {
         "Tensor sin, Tensor pos, Tensor page_table) -> ()");
   // penalty/greedy/top-k/top-p/min-p/temperature sampling with params in device memory
   m.def("sample_token(Tensor! out_token, Tensor! work, Tensor logits, Tensor ctx_tokens, "
-        "Tensor pos, Tensor params_f, Tensor params_i, Tensor counter) -> ()");
+        "Tensor pos, Tensor params_f, Tensor params_i, Tensor counter, "
+        "Tensor(a!)? path=None) -> ()");
   // end of step: sampled id -> next input, pos += 1, context ids, pinned host ring, counter += 1
   m.def("advance_step(Tensor! token_in, Tensor! pos, Tensor! ctx_tokens, Tensor! counter, "
         "Tensor! host_ring, Tensor sampled, Tensor stops, Tensor! halt) -> ()");

@@ -124,9 +124,14 @@ cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* co
 //   work     fp32 [V]  scratch for the penalised logits
 // Parameters live in device memory, so changing one needs no graph re-capture.
 // ctx_tokens holds ctx_capacity ids; the window is clamped to it.
+// path (int32 [1], optional; nullptr in the engine): the kPath* bits of the stages that ran,
+// so tests see which path drew the token (the fast paths draw the full path's token).
+constexpr int32_t kPathGreedy = 1, kPathTopKFast = 2, kPathTopKWide = 4, kPathTopPFast = 8,
+                  kPathRadixTopK = 16, kPathCompact = 32, kPathRadixTopP = 64, kPathDrawFull = 128;
 cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, int V,
                          const int32_t* ctx_tokens, int ctx_capacity, const int32_t* pos, const float* params_f,
-                         const int64_t* params_i, const int64_t* counter, cudaStream_t stream);
+                         const int64_t* params_i, const int64_t* counter, cudaStream_t stream,
+                         int32_t* path = nullptr);
 
 // The end of a decode step, so the next one needs no host round trip:
 //   token_in[0] = sampled; pos += 1; ctx_tokens[pos] = sampled (if pos < ctx_capacity);

@@ -979,8 +979,14 @@ __global__ void __launch_bounds__(kSampleThreads, 1)
 sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
               const float* __restrict__ logits, int V, const int32_t* __restrict__ ctx_tokens,
               int ctx_capacity, const int32_t* __restrict__ pos_ptr, const float* __restrict__ params_f,
-              const int64_t* __restrict__ params_i, const int64_t* __restrict__ counter) {
+              const int64_t* __restrict__ params_i, const int64_t* __restrict__ counter,
+              int32_t* __restrict__ path) {
   __shared__ SampleShared sh;
+  // which stages ran (kPath* bits), written once at the end when `path` is given (tests)
+  uint32_t ran = 0;
+  const auto done = [&](uint32_t bits) {
+    if (path != nullptr && threadIdx.x == 0) path[0] = (int32_t)(ran | bits);
+  };
   griddep_wait();  // logits come from the lm_head GEMV right before (PDL rules: common.cuh)
   griddep_launch_dependents();
   const float temperature = params_f[0], top_p = params_f[1], min_p = params_f[2];
@@ -1033,6 +1039,7 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
   const float mx = sh.max_val;
   if (temperature <= 0.f) {
     if (threadIdx.x == 0) out_token[0] = sh.max_idx;
+    done(kPathGreedy);
     return;  // uniform over the block
   }
 
@@ -1046,13 +1053,17 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
   const bool use_top_k = top_k > 0 && top_k < V;
   if (!full_path && use_top_k && top_k <= kTopKFastMax &&
       sample_top_k_fast(out_token, src, V, (int)top_k, mx, temperature, top_p, min_p, seed,
-                        counter, sh))
+                        counter, sh)) {
+    done(kPathTopKFast);
     return;  // block-uniform
+  }
   // 3'. the k-th largest key by distance histograms (top_k_threshold_wide), else the radix
   uint32_t floor_key = 0;
   bool have_floor = !use_top_k;
-  if (!full_path && use_top_k)
+  if (!full_path && use_top_k) {
     have_floor = top_k_threshold_wide(src, V, mx, (int)top_k, sh, &floor_key);
+    if (have_floor) ran |= kPathTopKWide;
+  }
   // 4'. top-p over the survivors by distance histograms (sample_top_p_fast); the same token
   // as the full path below
   unsigned long long z_all = 0;
@@ -1062,10 +1073,14 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
       (use_top_k ? sample_top_p_fast<true>(out_token, src, V, floor_key, mx, temperature, top_p,
                                            min_p, seed, counter, sh, z_all, z_known)
                  : sample_top_p_fast<false>(out_token, src, V, 0u, mx, temperature, top_p,
-                                            min_p, seed, counter, sh, z_all, z_known)))
+                                            min_p, seed, counter, sh, z_all, z_known))) {
+    done(kPathTopPFast);
     return;  // block-uniform
-  if (use_top_k && !have_floor)
+  }
+  if (use_top_k && !have_floor) {
     floor_key = radix_threshold<false>(src, V, 0u, mx, (unsigned long long)top_k, sh);
+    ran |= kPathRadixTopK;
+  }
 
   // 3b. top-k left at most one survivor per thread: finish on a compact list
   if (use_top_k && top_k <= kSampleThreads) {
@@ -1074,6 +1089,7 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
     if (n <= kSampleThreads) {
       finish_compact(out_token, n, floor_key, mx, temperature, top_p, min_p, seed, counter, c,
                      sh);
+      done(kPathCompact);
       return;  // block-uniform
     }
   }
@@ -1089,6 +1105,7 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
       z = block_sum_u64(z, sh);
     }
     floor_key = radix_threshold<true>(src, V, floor_key, mx, top_p_target(top_p, z), sh);
+    ran |= kPathRadixTopP;
   }
 
   // 5. min-p (a ratio of probabilities = a difference of logits)
@@ -1096,12 +1113,13 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
 
   // 6. temperature + draw
   draw_full(out_token, src, V, floor_key, mx, temperature, seed, counter, sh);
+  done(kPathDrawFull);
 }
 
 cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, int V,
                          const int32_t* ctx_tokens, int ctx_capacity, const int32_t* pos,
                          const float* params_f, const int64_t* params_i, const int64_t* counter,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, int32_t* path) {
   if (V <= 0 || ctx_capacity <= 0)
     return nq_fail(cudaErrorInvalidValue, "sample_token: V=%d and ctx_capacity=%d must be >= 1", V,
                    ctx_capacity);
@@ -1110,7 +1128,7 @@ cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, i
   if (attr != cudaSuccess) return smem_refused(attr, "sample_token: sample_kernel", kSampleSmemBytes);
   const cudaError_t e = launch_pdl("sample_kernel", sample_kernel, dim3(1), dim3(kSampleThreads),
                                    kSampleSmemBytes, stream, out_token, work, logits, V, ctx_tokens,
-                                   ctx_capacity, pos, params_f, params_i, counter);
+                                   ctx_capacity, pos, params_f, params_i, counter, path);
   if (e == cudaSuccess) return e;
   return nq_fail(e, "sample_token: V=%d ctx_capacity=%d: %s", V, ctx_capacity,
                  last_error_message());
