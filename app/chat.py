@@ -5,9 +5,9 @@ A reply's life: `send` stores the user message, asks the engine service for the 
 thread starts is not lost) and iterates it in a thread of its own, started at once; then it
 stores an empty assistant row and shows the turn's two widgets while the engine prefills:
 they were mounted, empty and hidden, while nobody waited (_prepare_next), the reply with an
-empty paragraph for the first text to fill in place (AssistantMessage.open_block); the
-screen makes no frame until that text is in (at most FIRST_FRAME_HOLD), so the new messages
-and the start of the reply appear together. The service sends at most one event per ~40 ms window (text + the engine's
+empty paragraph for the first text to fill in place (AssistantMessage.open_block), and
+their frame is made while the engine prefills; the first text's frame is made as soon as it
+is in (_FirstFrame), and the perf panel and title change after it. The service sends at most one event per ~40 ms window (text + the engine's
 timings); the worker forwards each with `post_message`; `on_reply_event` writes the text to
 the store *before* handing it to the Markdown stream, so whatever is on screen is already on
 disk, and then tells the perf panel when that text reached the screen. Esc cancels through
@@ -83,51 +83,59 @@ COPY_CYCLE_S = 5.0   # a second F2 within this many seconds copies the block bef
 CHAT_WINDOW = 20
 EARLIER_BATCH = 20
 
-# From Enter until the reply's first text is in its widget, or this many seconds, the screen
-# makes no frame (_FrameHold): the new messages and the first text then go out in one frame.
-# Without it, the frame of the new messages was made while the engine prefilled, so the
-# first text waited for it, then for the next frame slot (Textual makes at most one frame
-# per 1/60 s): ~20 ms of the app's Enter -> text on the H200's host, against a 6.5 ms TTFT.
-# The user's message can show this much later than without the hold; 50 ms is three frames,
-# below what a person notices as a delay, and a slow prefill (a long chat on the CPU) shows
-# the message at the deadline and the reply when it comes.
-FIRST_FRAME_HOLD = 0.05
+# From Enter until the reply's first text is in its widget, or this many seconds: no garbage
+# collection (heap.py), and what changes outside the message column (the perf panel, the
+# title) waits (_FirstFrame); the deadline lets them go when no text comes.
+FIRST_TEXT_WAIT = 0.05
 
 
-class _FrameHold:
-    """No frames (App.batch_update) until `stream`'s first text is in its widget, or until
-    FIRST_FRAME_HOLD has passed, or `release()`, whichever is first. The deadline is an app
-    timer: the hold ends whatever happens to the reply or the screen.
+def _frame_now(app) -> None:
+    """Make the screen's pending frame now instead of at the next tick of its update timer.
+    Textual (8.2.8, pinned) makes at most one frame per 1/60 s on a fixed grid: a refresh
+    waits up to 16.7 ms for the tick. The tick's own handler does the update, and pausing the
+    timer first is what it does too; it skips the frame while a batch is open or the screen
+    is not the current one."""
+    screen = app.screen
+    if not app._batch_count and screen.is_current:
+        screen._on_timer_update()
 
-    `after`: callbacks run once the frame after the release has been made. The chat puts
-    there what changes outside the message column (the perf panel, the header's title): a
-    frame renders the screen region bounding everything that changed, so the first text's
-    frame then renders the column alone (measured: the whole screen otherwise, most of that
-    frame's time)."""
+
+class _FirstFrame:
+    """The first text's frame, made as soon as the text is in its widget (_frame_now), not
+    at the next tick; callbacks `after` it; no garbage collection until then.
+
+    The new messages are not held back: their frame is made while the engine prefills
+    (a reflow of the column, 7-17 ms on the H200's host), and the first text then fills the
+    reply's empty paragraph on its line without a reflow (widgets._SameHeightUpdate), so its
+    frame repaints that region alone (1-3 ms there). Measured on the H200 against holding
+    every frame until the first text (that frame then reflowed and rendered the whole
+    column, after the slot): Enter -> text 26.9 -> 20.3 ms (new chat, graph), 30.9 -> 23.4
+    (next turn); benchmarks/RESULTS.md, session 12.
+
+    `after`: callbacks run once the frame after the first text has been made (or after
+    FIRST_TEXT_WAIT, when no text comes). The chat puts there what changes outside the
+    message column (the perf panel, the header's title): a frame renders the screen region
+    bounding everything that changed, so the first text's frame then renders the column
+    alone (measured: the whole screen otherwise, most of that frame's time)."""
 
     def __init__(self, app, stream, after=()) -> None:
         self._app = app
         # no garbage collection until the frame is out (heap.py), then the caller's callbacks
         self._after = list(after) + [partial(heap.resume, heap.pause())]
-        self._batch = app.batch_update()
-        self._batch.__enter__()
-        self._held = True
-        self._timer = app.set_timer(FIRST_FRAME_HOLD, self.release, name="first-frame-hold")
+        self._pending = True
+        self._timer = app.set_timer(FIRST_TEXT_WAIT, self.release, name="first-text-wait")
         self._task = asyncio.ensure_future(self._until_text(stream))
 
     async def _until_text(self, stream) -> None:
         await stream.first_append.wait()
+        _frame_now(self._app)
         self.release()
 
     def release(self) -> None:
-        if self._held:
-            self._held = False
+        if self._pending:
+            self._pending = False
             self._timer.stop()
             self._task.cancel()
-            self._batch.__exit__(None, None, None)
-            # the screen's idle check skipped its frame while held; nothing else may come
-            # to run it again before the next append (what App.delay_update's end does)
-            self._app.screen.check_idle()
             for callback in self._after:
                 self._app.call_after_refresh(callback)
 
@@ -508,13 +516,13 @@ class ChatScreen(Screen):
         made = dict(model=info.name, backend=info.backend, device=info.device,
                     sampler=dataclasses.asdict(params))   # stored with the reply's figures
         self.reply = self.last_reply = _Streaming(self._gen, msg_id, widget, stream, made)
-        # one frame for the new messages and the first text; the panel and the title after
+        # the first text's frame at once; the panel and the title after it
         perf = self.perf
         perf.hold()
         after = [perf.release]
         if title is not None:
             after.append(lambda: setattr(app, "title", title))
-        _FrameHold(app, stream, after)
+        _FirstFrame(app, stream, after)
         perf.start_reply(t0)
         box = self.query_one("#messages", VerticalScroll)
         if pair is not None:

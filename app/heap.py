@@ -11,7 +11,7 @@ first text ~180 ms after Enter against ~27 ms for the others. Three rules:
   lives as long as the app, so it moves to the permanent generation (`gc.freeze`); a full
   collection then walks only what the chats make (measured ~78k objects, 50-60 ms).
 * `pause()` / `resume()`: no collection from Enter until the first text's frame is out
-  (chat._FrameHold; at most its FIRST_FRAME_HOLD plus a frame).
+  (chat._FirstFrame; at most its FIRST_TEXT_WAIT plus a frame).
 * `collect_soon(app)` when a reply ends: one full collection after its last frame, where
   nobody waits, so the next one is less likely to fall inside a stream or the next Enter.
 """

@@ -304,56 +304,57 @@ def test_a_reply_streams_into_its_open_block_and_ends_as_a_fresh_render(monkeypa
 
 
 @pytest.mark.parametrize("text_comes", [True, False])
-def test_no_frame_is_made_between_enter_and_the_first_text_or_the_deadline(monkeypatch,
-                                                                         text_comes):
-    """_FrameHold: while held the screen makes no frame (the new messages wait for the first
-    text); it ends when the first text is in the widget, or at FIRST_FRAME_HOLD when no text
-    comes, and then a frame with everything is made."""
+def test_the_first_texts_frame_is_made_at_once_and_the_new_messages_are_not_held(monkeypatch,
+                                                                               text_comes):
+    """_FirstFrame: the new messages get their frame while the engine prefills (no hold);
+    the first text's frame is made as soon as it is in its widget, not at the next tick of
+    the screen's update timer (the timer is stopped here once the messages are shown: a
+    frame with the text can then only come from _FirstFrame); no collection until then; the
+    `after` callbacks run after that frame, or after FIRST_TEXT_WAIT when no text comes."""
     from nanoqwen.app import chat
 
-    hold_s = 3600.0 if text_comes else 0.05   # text_comes: the deadline must not be what ends it
-    monkeypatch.setattr(chat, "FIRST_FRAME_HOLD", hold_s)
+    wait_s = 3600.0 if text_comes else 0.05   # text_comes: the deadline must not be what ends it
+    monkeypatch.setattr(chat, "FIRST_TEXT_WAIT", wait_s)
 
     async def run():
         app = ListHarness()
-        frames = []
+        frames, after = [], []
         async with app.run_test(size=(80, 24)) as pilot:
             orig = app._display
 
             def display(screen, renderable):
                 orig(screen, renderable)
-                if renderable is not None and not app._batch_count:
-                    frames.append(_screen_text(app))
+                if renderable is not None:
+                    frames.append("\n".join(_screen_text(app)))
             app._display = display
             await _settled(app, pilot)
             box = app.query_one("#messages")
             reply = AssistantMessage("", 1)
             stream = AssistantMessage.get_stream(reply)
-            chat._FrameHold(app, stream)
+            chat._FirstFrame(app, stream, [lambda: after.append(len(frames))])
             frames.clear()
             await box.mount(widgets.UserMessage("the question"), reply)
             await reply.open_block()
-            if text_comes:   # (the deadline case can pass it in any pause: no check of time)
-                for _ in range(5):
-                    await pilot.pause()
-                assert app._batch_count == 1 and frames == []  # held: nothing shown yet
-                assert not gc.isenabled()                     # no collection either (heap.py)
-                await stream.write("First words")
-                await stream.first_append.wait()
-                assert app._batch_count == 0                  # released by the text
             for _ in range(200):                              # a condition, with a bound
-                if frames and app._batch_count == 0:
+                if any("the question" in f for f in frames):
                     break
                 await asyncio.sleep(0.01)
-            assert app._batch_count == 0
-            for _ in range(200):                              # after the frame: back on
-                if gc.isenabled():
+            assert any("the question" in f for f in frames)   # not held for the text
+            if text_comes:
+                assert not gc.isenabled() and after == []     # until the first text's frame
+                timer = app.screen._update_timer              # no tick makes a frame now
+                timer.pause()
+                monkeypatch.setattr(timer, "resume", lambda: None)
+                n = len(frames)
+                await stream.write("First words")
+                await stream.first_append.wait()
+                assert "First words" in frames[-1] and len(frames) == n + 1   # made at once
+            for _ in range(200):
+                if after and gc.isenabled():
                     break
                 await asyncio.sleep(0.01)
             assert gc.isenabled()
-            shown = "\n".join(frames[0])
-            assert "the question" in shown
-            assert ("First words" in shown) == text_comes
+            assert after and after[0] >= 1                   # after a frame
             await stream.stop()
 
     asyncio.run(run())

@@ -45,12 +45,12 @@ def append(self, md):
     if S["on"] and "append_at" not in S: S["append_at"] = time.thread_time() - S["t0"]
     return o_app(self, md)
 AssistantMessage.append = append
-o_release = chat_mod._FrameHold.release
+o_release = chat_mod._FirstFrame.release
 def release(self):
     S["rel"] = True
     if S["on"]: acc["until_release"] = time.thread_time() - S["t0"]
     return o_release(self)
-chat_mod._FrameHold.release = release
+chat_mod._FirstFrame.release = release
 o_tu = Screen._on_timer_update
 def tu(self):
     if S["on"] and S["rel"]:
