@@ -1,7 +1,10 @@
 """benchmarks/bench_app.py with a timeline of each app turn's first text: ms after Enter at
-which the reply starts (_start_reply), the generation thread runs (worker), the widgets are
-mounted, the first text is posted by the service, handled by the chat screen, and the first
-append is called and done, and the first frame made after it (bench_app's "on screen"). Wraps the app's methods from outside; nothing here is the product.
+which the reply starts (_start_reply), the generation thread runs the service (run), the
+prompt is rendered and encoded (fit), the service's batching starts (worker), the backend
+is asked (chunks), the prefill is entered and has been enqueued (prefill_call, prefill_ret;
+CUDA backend), the first token is out of the backend (chunk), the widgets are mounted, the
+first text is posted by the service, handled by the chat screen, and the first append is
+called and done, and the first frame made after it (bench_app's "on screen"). Wraps the app's methods from outside; nothing here is the product.
 usage: python benchmarks/lab/app_timeline.py [bench_app arguments]
 """
 import sys
@@ -26,12 +29,46 @@ async def _start_reply(self, *a, **k):
     mark("mounted")
     return r
 chat_mod.ChatScreen._start_reply = _start_reply
+o_run = service.EngineService._run
+def _run(self, *a, **k):
+    mark("run")
+    yield from o_run(self, *a, **k)
+service.EngineService._run = _run
+from nanoqwen.engine import session as session_mod
+o_fit = session_mod.ChatSession._fit
+def _fit(self, *a, **k):
+    r = o_fit(self, *a, **k); mark("fit"); return r
+session_mod.ChatSession._fit = _fit
+try:
+    from nanoqwen.engine.backends import cuda as cuda_mod
+    B = cuda_mod.CudaBackend
+    o_gc = B.generate_chunks
+    def generate_chunks(self, *a, **k):
+        mark("chunks")
+        g = o_gc(self, *a, **k)
+        try:   # closed with the wrapper (run_turn closes it): the backend's finally runs now
+            for i, c in enumerate(g):
+                if i == 0: mark("chunk")
+                yield c
+        finally:
+            g.close()
+    B.generate_chunks = generate_chunks
+    o_pf = B._prefill
+    def _prefill(self, *a, **k):
+        mark("prefill_call"); r = o_pf(self, *a, **k); mark("prefill_ret"); return r
+    B._prefill = _prefill
+except ImportError:
+    pass
 o_batched = service.EngineService._batched
 def _batched(self, events, *a, **k):
     mark("worker")
-    for ev in o_batched(self, events, *a, **k):
-        if isinstance(ev, service.Batch) and ev.text: mark("posted")
-        yield ev
+    g = o_batched(self, events, *a, **k)
+    try:
+        for ev in g:
+            if isinstance(ev, service.Batch) and ev.text: mark("posted")
+            yield ev
+    finally:
+        g.close()
 service.EngineService._batched = _batched
 o_ore = chat_mod.ChatScreen.on_reply_event
 async def ore(self, m):
@@ -47,11 +84,11 @@ def append(self, md):
     from textual.await_complete import AwaitComplete
     return AwaitComplete(w())
 AssistantMessage.append = append
-o_release = chat_mod._FrameHold.release
+o_release = chat_mod._FirstFrame.release
 def release(self):
     mark("released")
     return o_release(self)
-chat_mod._FrameHold.release = release
+chat_mod._FirstFrame.release = release
 from textual.screen import Screen
 o_tu = Screen._on_timer_update
 def tu(self):
