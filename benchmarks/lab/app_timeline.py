@@ -84,11 +84,12 @@ def append(self, md):
     from textual.await_complete import AwaitComplete
     return AwaitComplete(w())
 AssistantMessage.append = append
-o_release = chat_mod._FirstFrame.release
+FF = getattr(chat_mod, "_FirstFrame", None) or chat_mod._FrameHold   # (app/ before 56423ae)
+o_release = FF.release
 def release(self):
     mark("released")
     return o_release(self)
-chat_mod._FirstFrame.release = release
+FF.release = release
 from textual.screen import Screen
 o_tu = Screen._on_timer_update
 def tu(self):

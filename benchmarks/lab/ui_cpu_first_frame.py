@@ -45,12 +45,13 @@ def append(self, md):
     if S["on"] and "append_at" not in S: S["append_at"] = time.thread_time() - S["t0"]
     return o_app(self, md)
 AssistantMessage.append = append
-o_release = chat_mod._FirstFrame.release
+FF = getattr(chat_mod, "_FirstFrame", None) or chat_mod._FrameHold   # (app/ before 56423ae)
+o_release = FF.release
 def release(self):
     S["rel"] = True
     if S["on"]: acc["until_release"] = time.thread_time() - S["t0"]
     return o_release(self)
-chat_mod._FirstFrame.release = release
+FF.release = release
 o_tu = Screen._on_timer_update
 def tu(self):
     if S["on"] and S["rel"]:
