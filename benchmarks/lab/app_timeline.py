@@ -84,6 +84,11 @@ def append(self, md):
     from textual.await_complete import AwaitComplete
     return AwaitComplete(w())
 AssistantMessage.append = append
+if hasattr(chat_mod, "_frame_now"):
+    o_fn = chat_mod._frame_now
+    def _frame_now(app):
+        mark("frame_now"); o_fn(app); mark("frame_now_end")
+    chat_mod._frame_now = _frame_now
 FF = getattr(chat_mod, "_FirstFrame", None) or chat_mod._FrameHold   # (app/ before 56423ae)
 o_release = FF.release
 def release(self):
