@@ -83,10 +83,11 @@ COPY_CYCLE_S = 5.0   # a second F2 within this many seconds copies the block bef
 CHAT_WINDOW = 20
 EARLIER_BATCH = 20
 
-# From Enter until the reply's first text is in its widget, or this many seconds: no garbage
+# From Enter until the reply's first text's frame, or this many seconds: no garbage
 # collection (heap.py), and what changes outside the message column (the perf panel, the
-# title) waits (_FirstFrame); the deadline lets them go when no text comes.
-FIRST_TEXT_WAIT = 0.05
+# title) waits (_FirstFrame). The deadline lets them go when no text comes (a long prompt's
+# prefill); the bundled model's first text comes 35-60 ms after Enter on a 2-core CPU.
+FIRST_TEXT_WAIT = 0.25
 
 
 def _frame_now(app) -> None:
@@ -112,8 +113,8 @@ class _FirstFrame:
     column, after the slot): Enter -> text 26.9 -> 20.3 ms (new chat, graph), 30.9 -> 23.4
     (next turn); benchmarks/RESULTS.md, session 12.
 
-    `after`: callbacks run once the frame after the first text has been made (or after
-    FIRST_TEXT_WAIT, when no text comes). The chat puts there what changes outside the
+    `after`: callbacks run once the frame after the first text has been made, or after
+    FIRST_TEXT_WAIT when no text has come by then (its frame is still made at once). The chat puts there what changes outside the
     message column (the perf panel, the header's title): a frame renders the screen region
     bounding everything that changed, so the first text's frame then renders the column
     alone (measured: the whole screen otherwise, most of that frame's time)."""
@@ -127,7 +128,7 @@ class _FirstFrame:
         self._task = asyncio.ensure_future(self._until_text(stream))
 
     async def _until_text(self, stream) -> None:
-        await stream.first_append.wait()
+        await stream.first_append.wait()   # also set when the stream ends without text
         _frame_now(self._app)
         self.release()
 
@@ -135,7 +136,6 @@ class _FirstFrame:
         if self._pending:
             self._pending = False
             self._timer.stop()
-            self._task.cancel()
             for callback in self._after:
                 self._app.call_after_refresh(callback)
 

@@ -303,17 +303,19 @@ def test_a_reply_streams_into_its_open_block_and_ends_as_a_fresh_render(monkeypa
     assert asyncio.run(stream_it()) == asyncio.run(fresh())
 
 
-@pytest.mark.parametrize("text_comes", [True, False])
+@pytest.mark.parametrize("case", ["text", "text_after_the_deadline", "no_text"])
 def test_the_first_texts_frame_is_made_at_once_and_the_new_messages_are_not_held(monkeypatch,
-                                                                               text_comes):
+                                                                               case):
     """_FirstFrame: the new messages get their frame while the engine prefills (no hold);
     the first text's frame is made as soon as it is in its widget, not at the next tick of
     the screen's update timer (the timer is stopped here once the messages are shown: a
-    frame with the text can then only come from _FirstFrame); no collection until then; the
-    `after` callbacks run after that frame, or after FIRST_TEXT_WAIT when no text comes."""
+    frame with the text can then only come from _FirstFrame), also when it comes after
+    FIRST_TEXT_WAIT; no collection until then; the `after` callbacks run after that frame,
+    or after FIRST_TEXT_WAIT when no text has come by then."""
     from nanoqwen.app import chat
 
-    wait_s = 3600.0 if text_comes else 0.05   # text_comes: the deadline must not be what ends it
+    text_comes = case != "no_text"
+    wait_s = 3600.0 if case == "text" else 0.05   # "text": the deadline must not end it
     monkeypatch.setattr(chat, "FIRST_TEXT_WAIT", wait_s)
 
     async def run():
@@ -340,8 +342,15 @@ def test_the_first_texts_frame_is_made_at_once_and_the_new_messages_are_not_held
                     break
                 await asyncio.sleep(0.01)
             assert any("the question" in f for f in frames)   # not held for the text
-            if text_comes:
+            if case == "text_after_the_deadline":
+                for _ in range(200):                          # the deadline's callbacks
+                    if after:
+                        break
+                    await asyncio.sleep(0.01)
+                assert after
+            if case == "text":
                 assert not gc.isenabled() and after == []     # until the first text's frame
+            if text_comes:
                 timer = app.screen._update_timer              # no tick makes a frame now
                 timer.pause()
                 monkeypatch.setattr(timer, "resume", lambda: None)
