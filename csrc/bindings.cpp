@@ -18,9 +18,11 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 #include <type_traits>
@@ -644,10 +646,14 @@ class Engine : public torch::CustomClassHolder {
   // Wait for the stream, stop any launcher thread, clear the ring and the halt flag, set the
   // turn's stop ids (host and device) and stamp the turn's start on the GPU.
   void begin_turn(std::vector<int64_t> stop_ids) {
-    NQ_CHECK(stop_ids.size() <= (size_t)nanoqwen::kMaxStops, "begin_turn: ",
-             (int64_t)stop_ids.size(), " stop ids, at most ", nanoqwen::kMaxStops);
+    check_stops(stop_ids, "begin_turn");
     NoGil nogil;
     const c10::cuda::CUDAGuard dg(device_);
+    begin_turn_nogil(stop_ids);
+  }
+
+  // begin_turn() once checked, the GIL released.
+  void begin_turn_nogil(const std::vector<int64_t>& stop_ids) {
     loop_->stop();
     check_cuda(cudaStreamSynchronize(stream_),
                "begin_turn: cudaStreamSynchronize (waiting for the previous turn)");
@@ -665,14 +671,88 @@ class Engine : public torch::CustomClassHolder {
                    " stop ids (" + std::to_string(sizeof(stops_host_)) + " bytes) to the device");
     check_cuda(cudaStreamSynchronize(stream_),
                "begin_turn: cudaStreamSynchronize after the stop ids' copy");
+    *reinterpret_cast<volatile uint64_t*>(loop_->start_stamp()) = 0;   // start_turn waits for it
     check_engine(nanoqwen::stamp_time(loop_->start_stamp(), stream_), "begin_turn");
+  }
+
+  // A generation turn's start in one call that releases the GIL once: finish(); the sampler's
+  // parameters (sample_token's params_f, params_i), the draw counter (0) and the page table's
+  // first page_table.size() entries (none: unchanged) to the device; begin_turn(stop_ids);
+  // prefill(ids, pos0, sample = true, graph); start(n_steps, graph, run_ahead); returns the
+  // turn's start stamp (start_ns(), GPU ns; it ran before the prefill's kernels). A call of a
+  // torch.classes method, like a torch op, runs with the GIL released (torch's
+  // runAndInsertCall), and while another thread is busy in Python (the app's UI painting the
+  // new messages) getting it back costs about the switch interval (0.5 ms in the app): the
+  // nine calls and ops this replaces (finish, three copies, a fill, begin_turn, prefill,
+  // start, start_ns) took 4-6 ms of the app's Enter -> text on the H200.
+  int64_t start_turn(std::vector<int64_t> stop_ids, std::vector<double> params_f,
+                  std::vector<int64_t> params_i, std::vector<int64_t> page_table,
+                  const Tensor& ids, int64_t pos0, int64_t n_steps, bool graph,
+                  int64_t run_ahead) {
+    const char* op = "start_turn";
+    check_stops(stop_ids, op);
+    NQ_CHECK(params_f.size() == 4 && params_i.size() == 4, op, ": params_f and params_i hold 4 ",
+             "values each, got ", (int64_t)params_f.size(), " and ", (int64_t)params_i.size());
+    NQ_CHECK((int64_t)page_table.size() <= (int64_t)a_.table_len, op, ": ",
+             (int64_t)page_table.size(), " page table entries, the table holds ",
+             (int64_t)a_.table_len);
+    std::vector<int32_t> pt(page_table.size());
+    for (size_t i = 0; i < page_table.size(); ++i) {
+      NQ_CHECK(page_table[i] >= 0 && page_table[i] < a_.table_len, op, ": page ",
+               page_table[i], " at ", (int64_t)i, " is outside the pool 0..",
+               (int64_t)a_.table_len - 1);
+      pt[i] = (int32_t)page_table[i];
+    }
+    NQ_CHECK(n_steps >= 0 && run_ahead >= 1, op, ": n_steps=", n_steps, ", run_ahead=", run_ahead);
+    const int64_t T = check_ids(op, ids, pos0);
+    float pf[4];
+    for (int i = 0; i < 4; ++i) pf[i] = (float)params_f[i];
+    const int64_t zero = 0;
+    NoGil nogil;
+    const c10::cuda::CUDAGuard dg(device_);
+    finish_nogil();
+    // pageable sources: each copy has left them when it returns; begin_turn syncs after them
+    const auto h2d = [&](void* dst, const void* src, size_t bytes, const char* what) {
+      check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_),
+                 std::string("start_turn: cudaMemcpyAsync of ") + what + " (" +
+                     std::to_string(bytes) + " bytes) to the device");
+    };
+    h2d(const_cast<float*>(a_.params_f), pf, sizeof(pf), "the sampler's params_f");
+    h2d(const_cast<int64_t*>(a_.params_i), params_i.data(), 4 * sizeof(int64_t),
+        "the sampler's params_i");
+    h2d(a_.counter, &zero, sizeof(zero), "the draw counter");
+    if (!pt.empty())
+      h2d(const_cast<int32_t*>(a_.page_table), pt.data(), pt.size() * sizeof(int32_t),
+          "the page table");
+    begin_turn_nogil(stop_ids);
+    prefill_nogil(ids.data_ptr<int32_t>(), T, pos0, true, graph);
+    loop_->set_graph(graph);
+    if (n_steps > 0) loop_->start(n_steps, (int)run_ahead);
+    // the stamp ran before the prefill's kernels, long done by now unless the stream failed
+    const volatile uint64_t* stamp = loop_->start_stamp();
+    for (int i = 0; *stamp == 0; ++i) {
+      if (i % 64 == 63) {
+        const cudaError_t q = cudaStreamQuery(stream_);
+        if (q != cudaSuccess && q != cudaErrorNotReady)
+          check_cuda(q, "start_turn: the stream failed before the turn's start stamp");
+        NQ_CHECK(i < 64 * 20000, "start_turn: the turn's start stamp did not land in ~10 s");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(5));
+    }
+    return (int64_t)*stamp;
   }
 
   // K/V of ids (CPU int32 [T]) at positions pos0.. and the logits of the last one; with
   // `sample`, also sample + advance (ring slot = counter). T == 1 is a decode step (graph or
   // eager as `graph` says). The page table must already cover pos0 + T positions.
   void prefill(const Tensor& ids, int64_t pos0, bool sample, bool graph) {
-    const char* op = "prefill";
+    const int64_t T = check_ids("prefill", ids, pos0);
+    NoGil nogil;
+    prefill_nogil(ids.data_ptr<int32_t>(), T, pos0, sample, graph);
+  }
+
+  // prefill()'s checks of ids and positions (GIL held); T.
+  int64_t check_ids(const char* op, const Tensor& ids, int64_t pos0) const {
     NQ_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kInt && ids.dim() == 1 &&
                  ids.size(0) >= 1 && ids.is_contiguous(),
              op, ": ids must be a contiguous CPU int32 [T >= 1], got ", at::toString(ids.scalar_type()),
@@ -686,7 +766,16 @@ class Engine : public torch::CustomClassHolder {
     for (int64_t i = 0; i < T; ++i)
       NQ_CHECK(idp[i] >= 0 && idp[i] < a_.vocab, op, ": token id ", (int64_t)idp[i], " at ", i,
                " is outside the vocabulary 0..", (int64_t)a_.vocab - 1);
-    NoGil nogil;
+    return T;
+  }
+
+  static void check_stops(const std::vector<int64_t>& stop_ids, const char* op) {
+    NQ_CHECK(stop_ids.size() <= (size_t)nanoqwen::kMaxStops, op, ": ",
+             (int64_t)stop_ids.size(), " stop ids, at most ", nanoqwen::kMaxStops);
+  }
+
+  // prefill() once checked, the GIL released.
+  void prefill_nogil(const int32_t* idp, int64_t T, int64_t pos0, bool sample, bool graph) {
     c10::InferenceMode im;
     const c10::cuda::CUDAGuard dg(device_);
     const c10::cuda::CUDAStreamGuard sg(c10::cuda::getStreamFromExternal(stream_, device_.index()));
@@ -790,6 +879,10 @@ class Engine : public torch::CustomClassHolder {
   void finish() {
     NoGil nogil;
     const c10::cuda::CUDAGuard dg(device_);
+    finish_nogil();
+  }
+
+  void finish_nogil() {
     loop_->cancel();
     loop_->stop();
     check_cuda(cudaStreamSynchronize(stream_),
@@ -871,6 +964,7 @@ TORCH_LIBRARY(nanoqwen, m) {
       .def("capture_note", &nanoqwen_ops::Engine::capture_note)
       .def("run_step", &nanoqwen_ops::Engine::run_step)
       .def("begin_turn", &nanoqwen_ops::Engine::begin_turn)
+      .def("start_turn", &nanoqwen_ops::Engine::start_turn)
       .def("prefill", &nanoqwen_ops::Engine::prefill)
       .def("start", &nanoqwen_ops::Engine::start)
       .def("set_graph", &nanoqwen_ops::Engine::set_graph)

@@ -62,15 +62,21 @@ def sample_token(logits: torch.Tensor, ctx_tokens: torch.Tensor, pos: torch.Tens
     return out
 
 
-def sampler_tensors(params, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(params_f, params_i) for sample_token from a SamplerParams and a resolved seed."""
-    pf = torch.tensor([params.temperature, params.top_p, params.min_p, params.repeat_penalty],
-                      dtype=torch.float32)
+def sampler_values(params, seed: int) -> tuple[list[float], list[int]]:
+    """sample_token's params_f and params_i (csrc/kernels.h) from a SamplerParams and a
+    resolved seed, as lists."""
+    pf = [params.temperature, params.top_p, params.min_p, params.repeat_penalty]
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF
     if seed >= 2**63:  # stored as int64 bits; the kernel reads them back as uint64
         seed -= 2**64
-    pi = torch.tensor([params.top_k, params.repeat_last_n, seed, 0], dtype=torch.int64)
-    return pf.to(device), pi.to(device)
+    return pf, [params.top_k, params.repeat_last_n, seed, 0]
+
+
+def sampler_tensors(params, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(params_f, params_i) for sample_token from a SamplerParams and a resolved seed."""
+    pf, pi = sampler_values(params, seed)
+    return (torch.tensor(pf, dtype=torch.float32).to(device),
+            torch.tensor(pi, dtype=torch.int64).to(device))
 
 
 def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -373,11 +373,17 @@ class CudaBackend(Backend):
 
     def _reserve(self, n_tokens: int) -> None:
         """Pages for positions 0..n_tokens-1, mirrored into the device page table."""
-        self.cache.reserve(n_tokens)
-        pt = self.cache.page_table
-        if pt != self._pt_host[:len(pt)]:
+        pt = self._reserve_host(n_tokens)
+        if pt:
             self.page_table[:len(pt)].copy_(torch.tensor(pt, dtype=torch.int32))
             self._pt_host[:len(pt)] = pt
+
+    def _reserve_host(self, n_tokens: int) -> list[int]:
+        """Pages for positions 0..n_tokens-1 in the host's bookkeeping; the page table's
+        entries the device must get (its first len() entries; [] when it has them already)."""
+        self.cache.reserve(n_tokens)
+        pt = self.cache.page_table
+        return list(pt) if pt != self._pt_host[:len(pt)] else []
 
     # --- prefill ----------------------------------------------------------------------------------
     def _prefill(self, tokens: list[int], pos0: int, sample: bool) -> None:
@@ -426,14 +432,14 @@ class CudaBackend(Backend):
         return self._chunks_gpu(new_tokens, params, max_new_tokens, frozenset(stop_ids), cancel,
                                 window_s, None)
 
-    def _set_params(self, params) -> int:
-        from ..ops import sampler_tensors
+    @staticmethod
+    def _sampler_values(params) -> tuple[int, list[float], list[int]]:
+        """(the resolved seed, params_f, params_i) for start_turn."""
+        from ..ops import sampler_values
 
         seed = params.seed if params.seed >= 0 else int.from_bytes(os.urandom(8), "little")
-        pf, pi = sampler_tensors(params, seed, "cpu")
-        self.params_f.copy_(pf)
-        self.params_i.copy_(pi)
-        return seed
+        pf, pi = sampler_values(params, seed)
+        return seed, [float(v) for v in pf], [int(v) for v in pi]   # List[float], List[int]
 
     def _chunks_gpu(self, new_tokens: list[int], params, max_new_tokens: int,
                     stop_ids: frozenset[int], cancel: threading.Event | None, window_s: float,
@@ -452,20 +458,25 @@ class CudaBackend(Backend):
         with self._lock:
             self._gen_id += 1
             my_id = self._gen_id
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream), \
-                    torch.inference_mode():
-                self.core.finish()        # a suspended turn's launcher stopped, its steps done,
-                self.cache.rollback(n0)   # before pages or parameters change
-                self._reserve(n0 + t + steps_max)
-                self.seed = self._set_params(params)
-                self.counter.zero_()
-                self.core.begin_turn(sorted(stop_ids))  # syncs the copies above, stamps t0
-                try:
-                    self._prefill(new_tokens, n0, sample=True)
-                except BaseException:
-                    self.cache.rollback(n0)
-                    raise
-                self.core.start(steps_max, graph, RUN_AHEAD["graph" if graph else "eager"])
+            # The host's page bookkeeping first; the device gets the pages, the parameters and
+            # the prompt in one C++ call that releases the GIL once (start_turn: each release
+            # while the UI thread paints costs ~0.5 ms to get the GIL back), after a suspended
+            # turn's launcher has stopped and its steps are done.
+            self.cache.rollback(n0)
+            pt = self._reserve_host(n0 + t + steps_max)
+            seed, pf, pi = self._sampler_values(params)
+            ids = torch.tensor(new_tokens, dtype=torch.int32)
+            try:   # (the engine's own device and stream)
+                t0_ns = self.core.start_turn(sorted(stop_ids), pf, pi, pt, ids, n0, steps_max,
+                                             graph, RUN_AHEAD["graph" if graph else "eager"])
+            except BaseException:
+                if pt:   # which entries the device holds is not known now
+                    self._pt_host = [-1] * len(self._pt_host)
+                self.cache.rollback(n0)
+                raise
+            self.seed = seed
+            if pt:
+                self._pt_host[:len(pt)] = pt
         idx, prev_ns = 0, 0
         try:
             while idx < total:
@@ -483,7 +494,7 @@ class CudaBackend(Backend):
                 chunk, done = [], False
                 for tok, t_ns in zip(ids, ts):
                     if idx == 0:
-                        step_ms = (t_ns - self.core.start_ns()) / 1e6  # prefill + first sample
+                        step_ms = (t_ns - t0_ns) / 1e6  # prefill + first sample
                         self.kv_tokens.extend(new_tokens)
                     else:
                         step_ms = (t_ns - prev_ns) / 1e6

@@ -432,9 +432,37 @@ def test_engine_core_rejects_bad_tensors(untied):
     with pytest.raises(RuntimeError, match="a dense matrix has shape"):
         Engine(g, layer, dense[::-1], ints, 1e-6, s)
     core = cuda.core
+    prompt = list(range(3, 20))
+    cuda.truncate(0)
+    before = gen_tokens(cuda, prompt, n=12)
     with pytest.raises(RuntimeError, match="outside the vocabulary"):
         core.prefill(torch.tensor([1, c.vocab_size], dtype=torch.int32), 0, False, True)
     with pytest.raises(RuntimeError, match="do not fit the cache"):
         core.prefill(torch.tensor([1, 2], dtype=torch.int32), cuda.max_context + 64, False, True)
     with pytest.raises(RuntimeError, match="at most 8"):
         core.begin_turn(list(range(9)))
+    # start_turn checks everything before it changes anything on the device
+    n_pages = cuda.cache.num_pages
+    one = torch.tensor([1, 2, 3], dtype=torch.int32)
+
+    def start_turn(stops=(), pf=(1.0, 1.0, 0.0, 1.0), pi=(0, 0, 1, 0), pt=(), ids=one, pos0=0,
+                   n_steps=4):
+        core.start_turn(list(stops), list(pf), list(pi), list(pt), ids, pos0, n_steps, True, 4)
+    for kwargs, match in [
+            (dict(stops=range(9)), "at most 8"),
+            (dict(pf=(1.0,)), "params_f and params_i hold 4 values each, got 1 and 4"),
+            (dict(pi=(0, 0, 0, 0, 0)), "params_f and params_i hold 4 values each, got 4 and 5"),
+            (dict(pt=[0] * (n_pages + 1)), f"{n_pages + 1} page table entries, the table "
+                                             f"holds {n_pages}"),
+            (dict(pt=[0, n_pages]), f"page {n_pages} at 1 is outside the pool"),
+            (dict(pt=[-1]), "page -1 at 0 is outside the pool"),
+            (dict(ids=torch.tensor([1, c.vocab_size], dtype=torch.int32)), "outside the vocab"),
+            (dict(ids=torch.tensor([], dtype=torch.int32)), "ids must be a contiguous CPU"),
+            (dict(pos0=cuda.max_context + 64), "do not fit the cache"),
+            (dict(n_steps=-1), "n_steps=-1")]:
+        with pytest.raises(RuntimeError, match=match):
+            start_turn(**kwargs)
+    # none of that touched the turn the backend starts next
+    cuda.truncate(0)
+    assert gen_tokens(cuda, prompt, n=12) == before
+    assert_cache_consistent(cuda)
