@@ -2,7 +2,7 @@
 which the reply starts (_start_reply), the generation thread runs the service (run), the
 prompt is rendered and encoded (fit), the service's batching starts (worker), the backend
 is asked (chunks), the prefill is entered and has been enqueued (prefill_call, prefill_ret;
-CUDA backend), the first token is out of the backend (chunk), the widgets are mounted, the
+CUDA backend before 59eaa0f; from it: start_turn, the one call that starts the turn), the first token is out of the backend (chunk), the widgets are mounted, the
 first text is posted by the service, handled by the chat screen, and the first append is
 called and done, and the first frame made after it (bench_app's "on screen"). Wraps the app's methods from outside; nothing here is the product.
 usage: python benchmarks/lab/app_timeline.py [bench_app arguments]
@@ -57,6 +57,11 @@ try:
     def _prefill(self, *a, **k):
         mark("prefill_call"); r = o_pf(self, *a, **k); mark("prefill_ret"); return r
     B._prefill = _prefill
+    if hasattr(B, "_reserve_host"):   # right before start_turn (59eaa0f on)
+        o_rh = B._reserve_host
+        def _reserve_host(self, *a, **k):
+            mark("start_turn"); return o_rh(self, *a, **k)
+        B._reserve_host = _reserve_host
 except ImportError:
     pass
 o_batched = service.EngineService._batched
