@@ -49,8 +49,12 @@ LOAD_PROGRESS_INTERVAL = 0.05  # seconds between progress messages from the load
 # tokenize, to enter the C++ prefill, to detokenize each batch) and once per token on the CPU
 # backend (its sampler); every screen update holds the GIL for several ms, so with the default
 # each of those hand-offs could wait up to 5 ms behind a paint: on Enter, while the new
-# messages paint, that added ~10-20 ms to the time to the first text.
-GIL_SWITCH_INTERVAL = 0.0005
+# messages paint, that added ~10-20 ms to the time to the first text. 0.5 ms -> 0.2 ms (a
+# turn's start now needs the GIL back twice, after start_turn and after the first token):
+# Enter -> text 1.4-6.6 ms lower in all four H200 cases (graph/eager, new chat/next turn,
+# medians of 3, benchmarks/lab/app_switch_interval.py, RESULTS.md session 12), the CPU
+# backend's turn in the app no slower against the engine alone (1.32 / 1.16 vs 1.39 / 1.27).
+GIL_SWITCH_INTERVAL = 0.0002
 
 
 class ModelLoaded(Message):
