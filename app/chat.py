@@ -101,16 +101,6 @@ def _frame_now(app) -> None:
         screen._on_timer_update()
 
 
-def _frame_soon(app, widgets) -> None:
-    """_frame_now once the screen has the refresh requests of `widgets` (and their children):
-    a widget sends them when it next idles, in its own task; sent here, they are in the
-    screen's queue ahead of the callback that makes the frame."""
-    for w in widgets:
-        for node in (w, *w.walk_children()):
-            node._check_refresh()
-    app.screen.call_later(_frame_now, app)
-
-
 class _FirstFrame:
     """The first text's frame, made as soon as the text is in its widget (_frame_now), not
     at the next tick; callbacks `after` it; no garbage collection until then.
@@ -129,8 +119,8 @@ class _FirstFrame:
     bounding everything that changed, so the first text's frame then renders the column
     alone (measured: the whole screen otherwise, most of that frame's time)."""
 
-    def __init__(self, app, stream, after=(), widget=None) -> None:
-        self._app, self._widget = app, widget   # widget: the reply the stream writes into
+    def __init__(self, app, stream, after=()) -> None:
+        self._app = app
         # no garbage collection until the frame is out (heap.py), then the caller's callbacks
         self._after = list(after) + [partial(heap.resume, heap.pause())]
         self._pending = True
@@ -139,10 +129,7 @@ class _FirstFrame:
 
     async def _until_text(self, stream) -> None:
         await stream.first_append.wait()   # also set when the stream ends without text
-        if self._widget is not None:
-            _frame_soon(self._app, [self._widget])
-        else:
-            _frame_now(self._app)
+        _frame_now(self._app)
         self.release()
 
     def release(self) -> None:
@@ -535,7 +522,7 @@ class ChatScreen(Screen):
         after = [perf.release]
         if title is not None:
             after.append(lambda: setattr(app, "title", title))
-        _FirstFrame(app, stream, after, widget)
+        _FirstFrame(app, stream, after)
         perf.start_reply(t0)
         box = self.query_one("#messages", VerticalScroll)
         if pair is not None:
@@ -546,11 +533,9 @@ class ChatScreen(Screen):
             await box.mount_all([w for w in (user_widget, widget) if w is not None])
             await widget.open_block()
         box.scroll_end(animate=False)   # a new turn follows the stream again
-        # The new messages' frame as soon as the screen has their layout requests, while the
-        # engine prefills (start_turn holds no GIL), not at the update timer's next tick
-        # (0-16.7 ms away): a late tick put this frame's reflow (7-17 ms on the H200's host)
-        # in the way of the first text.
-        _frame_soon(app, [w for w in (user_widget, widget) if w is not None])
+        # (The new messages' frame is the update timer's: forced here, once the screen had
+        # their layout requests, the first append after it took 3-8 ms instead of 1 on the
+        # H200 and Enter -> text rose 5-18 ms; RESULTS.md, session 12.)
 
     def _generate(self, gen_id: int, events: Iterator[ServiceEvent]) -> None:
         """Iterate the reply's events in a thread started here and now; the UI hears only

@@ -167,42 +167,6 @@ async def test_the_first_texts_frame_renders_the_message_column_alone(dirs, tiny
     assert gc.isenabled() and gc.get_freeze_count() == 0     # Python's own policy again
 
 
-@aio
-async def test_enter_makes_the_new_messages_frame_at_once(dirs, tiny_model_path, monkeypatch):
-    """The frame that shows the new messages is made at the end of _start_reply, while the
-    engine prefills, not at the next tick of the screen's update timer: with that timer
-    stopped, a frame with the user's message still comes, before any reply text (the UI
-    handles the engine's events only after _start_reply), and the first text's own frame
-    after it (_FirstFrame)."""
-    frames = []   # (the screen's text, the reply's text then)
-    use_settings(max_new_tokens=8)
-    app = NanoqwenApp(model=tiny_model_path)
-    async with app.run_test(size=SIZE) as pilot:
-        await loaded(app, pilot)
-        orig = app._display
-
-        def display(screen, renderable):
-            orig(screen, renderable)
-            if renderable is not None:
-                r = app.chat.last_reply
-                shown = "\n".join(st.text for st in screen._compositor.render_strips())
-                frames.append((shown, r.widget.source if r else None))
-        app._display = display
-        app.chat.query_one("#prompt", PromptInput).text = "a question nobody asked"
-        await pilot.pause(0.1)
-        timer = app.screen._update_timer                # no tick makes a frame from here on
-        timer.pause()
-        monkeypatch.setattr(timer, "resume", lambda: None)
-        frames.clear()
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: any(src for _, src in frames), 30, "the first text's frame")
-        shown, src = frames[0]
-        assert "a question nobody asked" in shown and not src
-        monkeypatch.undo()
-        timer.resume()
-        await reply_done(app, pilot)
-
-
 @pytest.mark.slow
 @aio
 async def test_prompt_streams_a_reply_that_matches_the_engine(dirs, tiny_model_path):
