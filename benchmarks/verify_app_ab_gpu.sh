@@ -6,8 +6,9 @@
 # each first text) in graph and eager mode on this tree, then with app/ as it was at $BASE
 # (engine and benchmarks unchanged) in graph mode, then puts app/ back. Logs and JSON in $OUT.
 # TESTS=1 runs tests/gpu first; BENCH=1 then `nanoqwen bench` at 7B (graph, eager);
-# VARIANT=benchmarks/lab/<script>.py runs that lab variant of app_timeline.py in both modes
-# after this tree's runs. usage (carry .whl and .tok):
+# VARIANT="benchmarks/lab/<script>.py ..." runs each lab variant of app_timeline.py in the
+# modes of VARIANT_MODES (default "graph eager") after this tree's runs; REPS (3), TOKENS
+# (1024). usage (carry .whl and .tok):
 #   NANOQWEN_COMMIT=<this tree's commit> BASE=<rev> bash benchmarks/verify_app_ab_gpu.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 NANOQWEN_COMMIT
@@ -26,10 +27,12 @@ app_run() {  # mode, json name[, script]
 t "convert 7b"
 timeout 200 nanoqwen convert --synthetic 7b --tokenizer .tok/tokenizer.json -o /tmp/7b.nanoqwen 2>&1 | tail -2
 for m in graph eager; do t "app $m ($NANOQWEN_COMMIT)"; app_run $m app_7b_${m}_$NANOQWEN_COMMIT; done
-if [ -n "${VARIANT:-}" ]; then
-  v=$(basename "$VARIANT" .py)
-  for m in graph eager; do t "app $m ($v on $NANOQWEN_COMMIT)"; app_run $m app_7b_${m}_${v}_$NANOQWEN_COMMIT "$VARIANT"; done
-fi
+for variant in ${VARIANT:-}; do
+  v=$(basename "$variant" .py)
+  for m in ${VARIANT_MODES:-graph eager}; do
+    t "app $m ($v on $NANOQWEN_COMMIT)"; app_run $m app_7b_${m}_${v}_$NANOQWEN_COMMIT "$variant"
+  done
+done
 if [ -n "${BASE:-}" ]; then
   # app/ as it was at $BASE (this tree's bench_app.py drives either)
   cp -r app /tmp/app_tree
