@@ -337,13 +337,13 @@ def test_the_first_texts_frame_is_made_at_once_and_the_new_messages_are_not_held
             frames.clear()
             await box.mount(widgets.UserMessage("the question"), reply)
             await reply.open_block()
-            for _ in range(200):                              # a condition, with a bound
+            for _ in range(1000):                             # a condition, with a 10 s bound
                 if any("the question" in f for f in frames):
                     break
                 await asyncio.sleep(0.01)
             assert any("the question" in f for f in frames)   # not held for the text
             if case == "text_after_the_deadline":
-                for _ in range(200):                          # the deadline's callbacks
+                for _ in range(1000):                         # the deadline's callbacks
                     if after:
                         break
                     await asyncio.sleep(0.01)
@@ -358,7 +358,7 @@ def test_the_first_texts_frame_is_made_at_once_and_the_new_messages_are_not_held
                 await stream.write("First words")
                 await stream.first_append.wait()
                 assert "First words" in frames[-1] and len(frames) == n + 1   # made at once
-            for _ in range(200):
+            for _ in range(1000):
                 if after and gc.isenabled():
                     break
                 await asyncio.sleep(0.01)
