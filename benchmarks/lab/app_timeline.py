@@ -4,7 +4,8 @@ prompt is rendered and encoded (fit), the service's batching starts (worker), th
 is asked (chunks), the prefill is entered and has been enqueued (prefill_call, prefill_ret;
 CUDA backend before 59eaa0f; from it: start_turn, the one call that starts the turn), the first token is out of the backend (chunk), the widgets are mounted, the
 first text is posted by the service, handled by the chat screen, and the first append is
-called and done, and the first frame made after it (bench_app's "on screen"). Wraps the app's methods from outside; nothing here is the product.
+called and done, and the first frame made after it (bench_app's "on screen"); nm_start and
+nm_end bound the new messages' frame (the first after Enter that lays the screen out). Wraps the app's methods from outside; nothing here is the product.
 usage: python benchmarks/lab/app_timeline.py [bench_app arguments]
 """
 import sys
@@ -103,6 +104,9 @@ FF.release = release
 from textual.screen import Screen
 o_tu = Screen._on_timer_update
 def tu(self):
+    if "enter" in T and "nm_start" not in T and "released" not in T and self._layout_required:
+        # the first frame after Enter that lays the screen out: the new messages' frame
+        mark("nm_start"); r = o_tu(self); mark("nm_end"); return r
     if "released" in T and "update_start" not in T:
         mark("update_start"); r = o_tu(self); mark("update_end"); return r
     return o_tu(self)
