@@ -7,11 +7,13 @@ stores an empty assistant row and shows the turn's two widgets while the engine 
 they were mounted, empty and hidden, while nobody waited (_prepare_next), the reply with an
 empty paragraph for the first text to fill in place (AssistantMessage.open_block), and
 their frame is made while the engine prefills; the first text's frame is made as soon as it
-is in (_FirstFrame), and the perf panel and title change after it. The service sends at most one event per ~40 ms window (text + the engine's
-timings); the worker forwards each with `post_message`; `on_reply_event` writes the text to
-the store *before* handing it to the Markdown stream, so whatever is on screen is already on
-disk, and then tells the perf panel when that text reached the screen. Esc cancels through
-the service; the partial reply stays, marked "stopped".
+is in (_FirstFrame), and the perf panel, the title and the prompt (which keeps the sent
+text until then) change after it. The service sends at most one event per ~40 ms window
+(text + the engine's timings); the worker forwards each with `post_message`;
+`on_reply_event` writes the text to the store *before* handing it to the Markdown stream, so
+whatever is on screen is already on disk, and then tells the perf panel when that text
+reached the screen. Esc cancels through the service; the partial reply stays, marked
+"stopped".
 
 The message list is anchored to its end (Textual's `anchor()`): it follows the stream until
 the user scrolls up, and follows again once they scroll back down.
@@ -85,8 +87,9 @@ EARLIER_BATCH = 20
 
 # From Enter until the reply's first text's frame, or this many seconds: no garbage
 # collection (heap.py), and what changes outside the message column (the perf panel, the
-# title) waits (_FirstFrame). The deadline lets them go when no text comes (a long prompt's
-# prefill); the bundled model's first text comes 35-60 ms after Enter on a 2-core CPU.
+# title, the prompt's emptying) waits (_FirstFrame). The deadline lets them go when no
+# text comes (a long prompt's prefill); the bundled model's first text comes 35-60 ms
+# after Enter on a 2-core CPU.
 FIRST_TEXT_WAIT = 0.25
 
 
@@ -114,8 +117,9 @@ class _FirstFrame:
     (next turn); benchmarks/RESULTS.md, session 12.
 
     `after`: callbacks run once the frame after the first text has been made, or after
-    FIRST_TEXT_WAIT when no text has come by then (its frame is still made at once). The chat puts there what changes outside the
-    message column (the perf panel, the header's title): a frame renders the screen region
+    FIRST_TEXT_WAIT when no text has come by then (its frame is still made at once). The
+    chat puts there what changes outside the message column (the perf panel, the header's
+    title, the prompt's emptying: ChatScreen._submitted): a frame renders the screen region
     bounding everything that changed, so the first text's frame then renders the column
     alone (measured: the whole screen otherwise, most of that frame's time)."""
 
@@ -430,10 +434,17 @@ class ChatScreen(Screen):
     # --- sending -------------------------------------------------------------------------
     @on(PromptInput.Submitted)
     async def _submitted(self, event: PromptInput.Submitted) -> None:
-        if await self.send(event.text):
-            prompt = self.query_one("#prompt", PromptInput)
+        prompt = self.query_one("#prompt", PromptInput)
+        # The prompt empties once the reply's first text is on screen (or FIRST_TEXT_WAIT has
+        # passed), not at Enter: the frame that shows the new messages, which the first
+        # text waits for, then leaves the prompt alone, and the region it renders ends at
+        # the new messages instead of spanning down to the prompt. Measured on the H200:
+        # that frame 10.5 -> 7 ms, Enter -> text 16.7 -> 12.8 ms (new chat), 23.0 -> 18.7
+        # (next turn); RESULTS.md, session 13. The cursor holds still until then (a blink
+        # repaints the prompt, and a frame renders the region bounding all it repaints).
+        if await self.send(event.text, after=[partial(prompt.sent_shown, event.text)]):
             prompt.remember(event.text)
-            prompt.clear()
+            prompt.hold_cursor()
 
     @on(PromptInput.ScrollChat)
     def _scroll_chat(self, event: PromptInput.ScrollChat) -> None:
@@ -444,8 +455,9 @@ class ChatScreen(Screen):
         {"pageup": box.scroll_page_up, "pagedown": box.scroll_page_down,
          "home": box.scroll_home, "end": box.scroll_end}[event.key](animate=False)
 
-    async def send(self, text: str) -> bool:
-        """Send a user message; False (with a notification) if it cannot go now."""
+    async def send(self, text: str, after=()) -> bool:
+        """Send a user message; False (with a notification) if it cannot go now. `after`:
+        callbacks run once the reply's first text is on screen (_FirstFrame)."""
         t0 = self.clock()   # Enter: where the TTFT the person sees starts
         app = self.app
         if not text.strip():
@@ -473,12 +485,12 @@ class ChatScreen(Screen):
             title = None
         history = self._history()
         msg_id = store.add_message(self.chat_id, "user", text)
-        await self._start_reply(history, text, t0, (text, msg_id), title)
+        await self._start_reply(history, text, t0, (text, msg_id), title, after)
         return True
 
     async def _start_reply(self, history: list[dict], text: str, t0: float,
                            user: tuple[str, int] | None = None,
-                           title: str | None = None) -> None:
+                           title: str | None = None, after=()) -> None:
         """Start the engine on the reply, then show it (and `user`, the text and id of the
         message it answers, when that is new; `title`, the app's new title): the engine's
         prefill runs while the screen shows the new messages, instead of after. No
@@ -519,7 +531,7 @@ class ChatScreen(Screen):
         # the first text's frame at once; the panel and the title after it
         perf = self.perf
         perf.hold()
-        after = [perf.release]
+        after = [perf.release, *after]
         if title is not None:
             after.append(lambda: setattr(app, "title", title))
         _FirstFrame(app, stream, after)

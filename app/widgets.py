@@ -82,6 +82,24 @@ class PromptInput(TextArea):
             self.prompts.append(text)
         self._recall, self._draft = None, ""
 
+    def hold_cursor(self) -> None:
+        """No cursor blink until `sent_shown`; the cursor stays as it is (showing or not:
+        changing it would repaint the prompt now)."""
+        self._pause_blink(visible=self._cursor_visible)
+
+    def sent_shown(self, sent: str) -> None:
+        """`sent` has been sent and its reply is on screen: take it out of the prompt. What
+        was typed after it since Enter stays (the prompt empties late, ChatScreen._submitted);
+        a prompt changed otherwise (an earlier prompt recalled, an edit) is left as it is.
+        The cursor blinks again."""
+        text = self.text
+        if self._recall is None and text == sent:
+            self.clear()
+        elif self._recall is None and text.startswith(sent):
+            self._show(text[len(sent):], at_end=True)
+        if self.cursor_blink and self.has_focus:
+            self._restart_blink()
+
     def _show(self, text: str, at_end: bool) -> None:
         self.text = text
         self.move_cursor(self.document.end if at_end else (0, 0))

@@ -167,6 +167,49 @@ async def test_the_first_texts_frame_renders_the_message_column_alone(dirs, tiny
     assert gc.isenabled() and gc.get_freeze_count() == 0     # Python's own policy again
 
 
+@aio
+async def test_the_prompt_empties_once_the_first_text_is_on_screen(dirs, tiny_model_path,
+                                                                   monkeypatch):
+    """The prompt keeps the sent text until the reply's first text has had its frame
+    (ChatScreen._submitted: the new messages' frame then leaves the prompt alone), then
+    empties; text typed after the sent one stays, a recalled or edited prompt is left as is."""
+    from textual._compositor import Compositor
+    from nanoqwen.app import chat
+
+    monkeypatch.setattr(chat, "FIRST_TEXT_WAIT", 3600.0)   # the text ends the wait, not time
+    frames = []   # (the reply's text, the prompt's text) at each frame
+    orig = Compositor.render_update
+
+    def render_update(self, full=False, screen_stack=None, simplify=False):
+        r = getattr(app, "chat", None) and app.chat.last_reply
+        if r is not None:
+            frames.append((r.widget.source, app.chat.query_one("#prompt", PromptInput).text))
+        return orig(self, full, screen_stack, simplify)
+
+    monkeypatch.setattr(Compositor, "render_update", render_update)
+    use_settings(max_new_tokens=12)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        prompt = app.chat.query_one("#prompt", PromptInput)
+        await send(app, pilot, "hello")
+        await reply_done(app, pilot)
+        await wait_for(pilot, lambda: prompt.text == "", 10, "the prompt to empty")
+        first = next(i for i, (src, _) in enumerate(frames) if src)
+        assert all(p == "hello" for _, p in frames[:first + 1])  # through the text's frame
+        assert prompt.prompts[-1] == "hello"                     # Up recalls it at once
+        # what came into the prompt after Enter
+        for before, after in (("hello and more", " and more"), ("hello", ""),
+                              ("edited", "edited")):
+            prompt.text = before
+            prompt.sent_shown("hello")
+            assert prompt.text == after
+        prompt.text = ""
+        await pilot.press("up")                                  # a recalled prompt stays
+        prompt.sent_shown("hello")
+        assert prompt.text == "hello"
+
+
 @pytest.mark.slow
 @aio
 async def test_prompt_streams_a_reply_that_matches_the_engine(dirs, tiny_model_path):

@@ -5,7 +5,8 @@ is asked (chunks), the prefill is entered and has been enqueued (prefill_call, p
 CUDA backend before 59eaa0f; from it: start_turn, the one call that starts the turn), the first token is out of the backend (chunk), the widgets are mounted, the
 first text is posted by the service, handled by the chat screen, and the first append is
 called and done, and the first frame made after it (bench_app's "on screen"); nm_start and
-nm_end bound the new messages' frame (the first after Enter that lays the screen out). Wraps the app's methods from outside; nothing here is the product.
+nm_end bound the new messages' frame (the first after Enter that lays the screen out); key
+(negative) is when the Enter key reached the prompt, before its Submitted message's hops. Wraps the app's methods from outside; nothing here is the product.
 usage: python benchmarks/lab/app_timeline.py [bench_app arguments]
 """
 import sys
@@ -18,11 +19,21 @@ from nanoqwen.engine import service
 T = {}
 def mark(k):
     T.setdefault(k, time.perf_counter())
+KEY = {}
 o_send = chat_mod.ChatScreen.send
-async def send(self, text):
+async def send(self, *a, **k):
     T.clear(); mark("enter")
-    return await o_send(self, text)
+    if "t" in KEY:   # the Enter key reached the prompt (before the Submitted message's hops)
+        T["key"] = KEY.pop("t")
+    return await o_send(self, *a, **k)
 chat_mod.ChatScreen.send = send
+from nanoqwen.app.widgets import PromptInput
+o_key = PromptInput._on_key
+async def _on_key(self, event):
+    if event.key == "enter":
+        KEY["t"] = time.perf_counter()
+    return await o_key(self, event)
+PromptInput._on_key = _on_key
 o_start = chat_mod.ChatScreen._start_reply
 async def _start_reply(self, *a, **k):
     mark("start_reply")
