@@ -35,7 +35,7 @@ from textual.screen import Screen
 from nanoqwen.engine.sampling import SamplerParams
 from nanoqwen.engine.service import BACKENDS, MODES, EngineService, default_model_path
 
-from . import heap
+from . import frames, heap
 from .chat import CHAT_ACTIONS, ChatScreen
 from .perf import ModelInfo
 from .screens import HelpScreen, ModelScreen, SettingsScreen
@@ -309,11 +309,13 @@ class NanoqwenApp(App[None]):
         # Process-wide: set for the app's lifetime, restored when it unmounts.
         self._old_switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(GIL_SWITCH_INTERVAL)
+        frames.install()   # a partial frame renders the widgets it shows (frames.py)
 
     def on_unmount(self) -> None:
         old = getattr(self, "_old_switch_interval", None)
         if old is not None:
             sys.setswitchinterval(old)
+        frames.uninstall()
         heap.restore()   # a frame hold cut short by the exit leaves collections off
         # Quitting mid-reply is a stop: the text is on disk already; record how it ended.
         reply = getattr(self, "chat", None) and self.chat.reply

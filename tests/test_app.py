@@ -210,6 +210,111 @@ async def test_the_prompt_empties_once_the_first_text_is_on_screen(dirs, tiny_mo
         assert prompt.text == "hello"
 
 
+class _Terminal:
+    """What a terminal shows after the app's frames: each frame's segments applied to a grid
+    of cells (character, colours, attributes), as the terminal would apply them."""
+
+    def __init__(self, width: int, height: int) -> None:
+        self.cells = [[(" ", None)] * width for _ in range(height)]
+
+    @staticmethod
+    def _look(style):
+        if style is None:
+            return None
+        return (style.color, style.bgcolor, style.bold, style.dim, style.italic,
+                style.underline, style.reverse, style.strike)
+
+    def apply(self, console, update) -> None:
+        from rich.cells import cell_len
+        from rich.segment import ControlType
+
+        x = y = 0
+        for seg in update.__rich_console__(console, console.options):
+            if seg.control:
+                for c in seg.control:
+                    if c[0] == ControlType.CURSOR_MOVE_TO:
+                        x, y = c[1], c[2]
+                continue
+            for ch in seg.text:
+                if ch == "\n":
+                    x, y = 0, y + 1
+                    continue
+                if 0 <= y < len(self.cells) and 0 <= x < len(self.cells[y]):
+                    self.cells[y][x] = (ch, self._look(seg.style))
+                x += cell_len(ch)
+
+    def full_render(self, app) -> list:
+        grid = _Terminal(len(self.cells[0]), len(self.cells))
+        x = y = 0
+        for y, strip in enumerate(app.screen._compositor.render_strips()):
+            x = 0
+            for seg in strip:
+                for ch in seg.text:
+                    grid.cells[y][x] = (ch, self._look(seg.style))
+                    x += 1
+        return grid.cells
+
+
+@aio
+async def test_partial_frames_show_what_textuals_own_would(dirs, tiny_model_path,
+                                                           monkeypatch):
+    """frames.py: a partial frame renders only the widgets whose visible part overlaps its
+    region. Every partial frame of two streamed turns (the new messages, the first text,
+    each append, the perf panel, the prompt emptying, the reply's end) is made both ways at
+    the same moment, from the same dirty regions: applied to the terminal (what it showed
+    before), both leave it the same, cell for cell, colours and attributes included. Once a
+    turn has settled, the terminal is what a full render of the screen shows."""
+    import copy
+
+    from textual._compositor import Compositor
+    from nanoqwen.app import frames
+
+    compared = []
+    term = _Terminal(*SIZE)
+    textual_renders = frames._textual_get_renders
+    orig_partial = Compositor.render_partial_update
+
+    def render_partial_update(self):
+        dirty = set(self._dirty_regions)
+        ours_now = Compositor._get_renders
+        Compositor._get_renders = textual_renders
+        try:
+            theirs = orig_partial(self)
+        finally:
+            Compositor._get_renders = ours_now
+        self._dirty_regions.update(dirty)
+        ours = orig_partial(self)
+        if ours is not None and app.screen._compositor is self:
+            a, b = copy.deepcopy(term), copy.deepcopy(term)
+            a.apply(app.console, theirs)
+            b.apply(app.console, ours)
+            compared.append(a.cells == b.cells)
+        return ours
+
+    monkeypatch.setattr(Compositor, "render_partial_update", render_partial_update)
+    use_settings(max_new_tokens=80)
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        assert Compositor._get_renders is frames._get_renders   # installed while it runs
+        orig = app._display
+
+        def display(screen, renderable):
+            orig(screen, renderable)
+            if renderable is not None and screen is app.screen:
+                term.apply(app.console, renderable)
+        app._display = display
+        await loaded(app, pilot)
+        app.screen.refresh()                    # a full frame: the terminal's starting state
+        await pilot.pause(0.2)
+        for text in ("def add", "and a class with a method"):
+            await send(app, pilot, text)
+            await reply_done(app, pilot)
+            await pilot.pause(0.6)              # settled: the panel, the prompt, the blink
+            assert term.cells == term.full_render(app)
+    assert len(compared) >= 10 and all(compared), compared
+    assert Compositor._get_renders is frames._textual_get_renders  # Textual's after the app
+
+
 @pytest.mark.slow
 @aio
 async def test_prompt_streams_a_reply_that_matches_the_engine(dirs, tiny_model_path):
