@@ -20,7 +20,9 @@ snapshots are deterministic. Token counts, backend, model and mode stay real.
 Work per update is bounded (the service keeps the rolling window; the sparkline keeps at most
 _MAX_POINTS points), so a long reply does not make the panel slower. While a reply streams the
 rows are redrawn at most every REDRAW_INTERVAL (the service reports every ~40 ms; nobody reads
-a figure that changes 25 times a second), and a row whose text did not change is not touched.
+a figure that changes 25 times a second), every REDRAW_INTERVAL_CPU when the engine runs on the
+CPU (each redraw is a frame made on the engine's cores), and a row whose text did not change is
+not touched.
 A changed row that keeps its shape (same lines, each fitting the panel) is redrawn without a
 layout pass: `Static.update` otherwise reflows the whole screen, every message of the chat
 with it, and measured on the 2-core CPU (bundled model, headless app) the panel's 25 layouts a
@@ -45,6 +47,10 @@ from .settings import SPECULATION_NAMES
 _MAX_POINTS = 2048
 _INDENT = " " * 10   # continuation lines line up under the values ("decode    ")
 REDRAW_INTERVAL = 0.2  # seconds: the least time between two redraws while a reply streams
+# ... with the engine on the CPU: a redraw's frame (4-7 ms of UI-thread CPU on the 2-core CI
+# machine) delays the engine by about as much (widgets.CPU_ENGINE_UI_SHARE says why); at 0.2 s
+# the panel made 13-21 of a 256-token turn's ~45 frames there (benchmarks/RESULTS.md, session 14)
+REDRAW_INTERVAL_CPU = 1.0
 
 
 @dataclass
@@ -98,6 +104,12 @@ class PerfPanel(Vertical):
 
     def on_mount(self) -> None:
         self._refresh()
+
+    @property
+    def redraw_interval(self) -> float:
+        """The least time between two redraws while a reply streams (module doc)."""
+        on_cpu = self.info is not None and self.info.device == "cpu"
+        return REDRAW_INTERVAL_CPU if on_cpu else REDRAW_INTERVAL
 
     # --- inputs ---------------------------------------------------------------------
     def set_model(self, info: ModelInfo | None) -> None:
@@ -156,8 +168,8 @@ class PerfPanel(Vertical):
             self.info.mode = s.mode
             self.info.max_context = s.max_context
         # The first text and the final figures are drawn at once; the rest at most every
-        # REDRAW_INTERVAL (a timer draws the latest figures once the interval is up).
-        wait = self._drawn_at + REDRAW_INTERVAL - time.monotonic()
+        # redraw_interval (a timer draws the latest figures once the interval is up).
+        wait = self._drawn_at + self.redraw_interval - time.monotonic()
         if s.final or (shown_at is not None and self.seen.first == self.seen.last) or wait <= 0:
             self._refresh()
         elif self._redraw_timer is None:

@@ -216,8 +216,14 @@ class UserMessage(OnePassLayout, Static):
 CHUNK_LINES = 16          # lines per Label of a code block
 # Least time between two appends of a streaming reply (PacedMarkdownStream): 15 a second
 PAINT_INTERVAL = 1 / 15
-# ... and the most, however costly the appends are (the stream still moves 4 times a second)
-PAINT_INTERVAL_MAX = 0.25
+# ... and the most, however costly the appends are (the stream still moves twice a second).
+# Only an engine on the CPU is paced past PAINT_INTERVAL. At 0.25 s the cap, not the share,
+# set the pace on the 2-core CI machine (an append and the frames until the next cost the UI
+# 25-40 ms there: cost / share = 0.3-0.5 s), and the UI took 15-20% of a core instead of 8%;
+# at 0.5 s, with the perf panel's CPU interval, a 256-token turn's UI-thread CPU fell from
+# 571-577 to 347-348 ms (medians of 3, the turns replayed at 11 ms a step) and from 429-482 to
+# 280-362 ms beside the real engine (benchmarks/RESULTS.md, session 14).
+PAINT_INTERVAL_MAX = 0.5
 # With an engine on the CPU, the share of one core the UI may take while a reply streams
 # (PacedMarkdownStream.cpu_share). On a 2-core machine each ms the UI thread runs delays
 # the 2-thread engine by about 1 ms (measured: 0.5-0.8 s of UI CPU per 256-token turn, the

@@ -422,6 +422,12 @@ def summarize(turns: list[dict]) -> dict:
                                default=None))
         s["rate_ratio"] = ratio(s["screen_tok_s"], s["engine_tok_s"])
         s["turn_ratio"] = ratio(s["app_turn_s"], s["engine_turn_s"])
+        # each rep's app turn over its own engine turn (run back to back): a machine whose
+        # speed drifts between reps (seen on the 2-core CI machine: the engine alone 84-173
+        # tok/s within one run) moves both sides of a pair alike
+        by_rep = {t["rep"]: t for t in e}
+        s["turn_ratio_paired"] = med(ratio(t["turn_s"], by_rep[t["rep"]]["turn_s"])
+                                     for t in a if t["rep"] in by_rep)
         s["ttft_ratio"] = ratio(s["screen_ttft_ms"], s["engine_ttft_ms"])
         s["ttft_gap_ms"] = (s["screen_ttft_ms"] - s["engine_ttft_ms"]
                             if s["screen_ttft_ms"] is not None and s["engine_ttft_ms"] is not None
@@ -444,6 +450,8 @@ def print_summary(meta: dict, summary: dict, args) -> None:
               f"{f(s['screen_ttft_ms']) + ' ms':>11s} {f(s['ttft_ratio'], '.2f'):>6s}   "
               f"{f(s['engine_turn_s'], '.3f') + ' s':>11s} {f(s['app_turn_s'], '.3f') + ' s':>9s} "
               f"{f(s['turn_ratio'], '.3f'):>6s}  {s['same_text']}")
+        print(f"{'':10s} (app turn / engine turn of the same rep, median: "
+              f"{f(s['turn_ratio_paired'], '.3f')})")
         print(f"{'':10s} (engine inside the app: {f(s['engine_in_app_tok_s'])} tok/s, TTFT "
               f"{f(s['engine_in_app_ttft_ms'])} ms; prefilled {f(s['n_prefilled'], '.0f')} tokens; "
               f"{f(s['n_generated'], '.0f')} generated)")

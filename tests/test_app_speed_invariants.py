@@ -465,10 +465,14 @@ class PanelHarness(App):
         yield PerfPanel(id="perf")
 
 
-def test_perf_panel_draws_first_text_and_final_at_once_the_rest_throttled(monkeypatch):
-    """While a reply streams the panel redraws at most every REDRAW_INTERVAL: an update inside
-    the interval changes the figures but not the screen, until the interval's timer or the
-    final update draws them. Rows whose shape is unchanged are redrawn without a layout pass
+@pytest.mark.parametrize("device, interval", [("cpu", "REDRAW_INTERVAL_CPU"),
+                                              ("NVIDIA H200", "REDRAW_INTERVAL")])
+def test_perf_panel_draws_first_text_and_final_at_once_the_rest_throttled(monkeypatch, device,
+                                                                           interval):
+    """While a reply streams the panel redraws at most every REDRAW_INTERVAL (an engine on
+    the CPU: REDRAW_INTERVAL_CPU, the other's setting has no say): an update inside the
+    interval changes the figures but not the screen, until the interval's timer or the final
+    update draws them. Rows whose shape is unchanged are redrawn without a layout pass
     (Static.update(layout=False)); a row that gains a line gets one."""
     from nanoqwen.app import perf as perf_mod
     from nanoqwen.app.perf import ModelInfo, PerfPanel
@@ -481,7 +485,7 @@ def test_perf_panel_draws_first_text_and_final_at_once_the_rest_throttled(monkey
         app = PanelHarness()
         async with app.run_test(size=(80, 30)) as pilot:
             panel = app.query_one(PerfPanel)
-            panel.set_model(ModelInfo("reference", "cpu", "tiny", ("eager",), "eager", 4096,
+            panel.set_model(ModelInfo("reference", device, "tiny", ("eager",), "eager", 4096,
                                       None))
             await pilot.pause()
             layouts: list[tuple[str, bool]] = []
@@ -492,7 +496,9 @@ def test_perf_panel_draws_first_text_and_final_at_once_the_rest_throttled(monkey
                 return orig(self, content, layout=layout)
             monkeypatch.setattr(Static, "update", spy)
 
-            monkeypatch.setattr(perf_mod, "REDRAW_INTERVAL", 3600.0)   # never passes here
+            monkeypatch.setattr(perf_mod, interval, 3600.0)   # never passes here
+            other = "REDRAW_INTERVAL" if interval != "REDRAW_INTERVAL" else "REDRAW_INTERVAL_CPU"
+            monkeypatch.setattr(perf_mod, other, 0.0)         # not this panel's setting
             panel.start_reply(0.0)
             panel.record(_update(1), shown_at=0.010)          # the first text: drawn at once
             assert "12.50 ms engine" in shown(panel, "perf-ttft")
@@ -509,7 +515,7 @@ def test_perf_panel_draws_first_text_and_final_at_once_the_rest_throttled(monkey
             assert panel._redraw_timer is None                # the held redraw is dropped
 
             # A held redraw is drawn by the timer once the interval is up.
-            monkeypatch.setattr(perf_mod, "REDRAW_INTERVAL", 0.05)
+            monkeypatch.setattr(perf_mod, interval, 0.05)
             panel.start_reply(0.0)
             panel.record(_update(1), shown_at=0.010)
             panel.record(_update(7, ms=2.0), shown_at=0.030)
@@ -521,7 +527,7 @@ def test_perf_panel_draws_first_text_and_final_at_once_the_rest_throttled(monkey
 
             # A row that changes shape (one more line) gets a layout pass.
             layouts.clear()
-            panel.set_model(ModelInfo("reference", "cpu", "tiny", ("eager",), "eager", 4096,
+            panel.set_model(ModelInfo("reference", device, "tiny", ("eager",), "eager", 4096,
                                       "no CUDA device"))
             assert ("perf-backend", True) in layouts
 
