@@ -14,8 +14,11 @@ backend the wall clock around each step of its compute thread, the consumer's ti
   ms/token  mean decode step of a repetition (forward + sample + advance)
   tg t/s    1000 / ms/token
   GB/s      CUDA only: (weight bytes per token + K/V bytes read at the mean context) /
-            ms/token, and its share of the H200's measured 4276 GB/s device copy bandwidth
-            (the reference backend runs fp32 weights dequantized at load: no INT4 traffic)
+            ms/token, and its share of the device's copy bandwidth, measured by the bench
+            itself on the card it runs on (copy_bandwidth: a device-to-device copy, read +
+            write; 4276 GB/s on the H200, about 3 TB/s on an H100 SXM: a fixed H200 figure
+            made an H100's share look 20-30% worse than it is). The reference backend runs
+            fp32 weights dequantized at load: no INT4 traffic, no GB/s
 Each figure is the median over repetitions.
 
 The model: `--model FILE` (default: the bundled model), loaded as `nanoqwen generate` loads it
@@ -34,7 +37,38 @@ import subprocess
 import sys
 import time
 
-COPY_BANDWIDTH_GBS = 4276.0  # measured on the H200 (docs: device-to-device, read + write)
+COPY_BYTES = 512 * 2**20   # the copy_bandwidth buffer: far past the 50-60 MB L2 of Hopper
+COPY_REPS = 10
+
+
+def copy_bandwidth(device) -> float | None:
+    """GB/s of a device-to-device copy on `device` (bytes read + bytes written over the
+    median of COPY_REPS timed copies after one warm-up), the ceiling `pct_of_copy_bw` is a
+    share of; None where it cannot be measured (not CUDA, or no room for the two buffers next
+    to the model: then the rows carry no share rather than one against another card)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    try:
+        src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+    except torch.cuda.OutOfMemoryError:
+        return None
+    with torch.cuda.device(device):
+        dst.copy_(src)
+        times = []
+        for _ in range(COPY_REPS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    del src, dst
+    times.sort()
+    return 2 * COPY_BYTES / (times[len(times) // 2] * 1e-3) / 1e9
 
 
 def _commit() -> str:
@@ -74,6 +108,7 @@ def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
     if not sampler.greedy and sampler.seed < 0:
         sampler = dataclasses.replace(sampler, seed=seed)  # the same draws every repetition
     rows = []
+    copy_gbs = copy_bandwidth(backend.device) if backend.name == "cuda" else None
     for mode in modes:
         backend.mode = mode
         ttft, mspt = [], []
@@ -95,16 +130,18 @@ def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
                       mode=mode, reps=reps, sampler=sampler_label(sampler))
         rows.append(dict(common, test=f"pp{n_prompt}", tokens_per_s=tokens_per_s(n_prompt, t_ms),
                          ttft_ms=t_ms, ttft_all=ttft))
-        bw = {} if backend.name != "cuda" else dict(
-            gb_per_s=gbs, pct_of_copy_bw=100 * gbs / COPY_BANDWIDTH_GBS)
+        bw = {} if backend.name != "cuda" else dict(gb_per_s=gbs)
+        if copy_gbs:
+            bw.update(copy_gb_per_s=copy_gbs, pct_of_copy_bw=100 * gbs / copy_gbs)
         rows.append(dict(common, test=f"tg{n_gen}", tokens_per_s=tokens_per_s(1, d_ms),
                          ms_per_token=d_ms, **bw, ms_per_token_all=mspt))
     return rows
 
 
 def format_table(rows: list[dict], size_bytes: int) -> str:
+    copy = next((r["copy_gb_per_s"] for r in rows if "copy_gb_per_s" in r), None)
     head = ("| model | size | backend | mode | test | t/s | TTFT ms | ms/token | GB/s "
-            f"| % of {COPY_BANDWIDTH_GBS:.0f} |")
+            f"| % of copy{f' ({copy:.0f})' if copy else ''} |")
     lines = [head, "|" + " --- |" * 10]
     for r in rows:
         ttft = f"{r['ttft_ms']:.2f}" if "ttft_ms" in r else "-"

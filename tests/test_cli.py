@@ -292,3 +292,20 @@ def test_bench_reference_refusals(tiny_model_path, capsys, args, says):
     assert main(["bench", "--backend", "reference", *model, *args]) == 1
     err = capsys.readouterr().err
     assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_bench_on_the_reference_backend_claims_no_bandwidth(tiny_model_path):
+    """The reference backend runs fp32 weights dequantized at load: its rows carry no GB/s and
+    no share of a copy bandwidth, and a CPU has no device copy figure (engine/bench.py)."""
+    from nanoqwen.engine import loader
+    from nanoqwen.engine.bench import copy_bandwidth, format_table, run_bench
+
+    assert copy_bandwidth("cpu") is None
+    loaded = loader.load(tiny_model_path, backend="reference", max_context=64)
+    try:
+        rows = run_bench(loaded.backend, 8, 4, 1, ["eager"])
+    finally:
+        loaded.close()
+    assert [r["test"] for r in rows] == ["pp8", "tg4"]
+    assert not any(k in r for r in rows for k in ("gb_per_s", "copy_gb_per_s", "pct_of_copy_bw"))
+    assert "| % of copy |" in format_table(rows, 1)

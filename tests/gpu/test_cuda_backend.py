@@ -280,6 +280,24 @@ def test_step_events_are_timed(untied):
     assert all(e.step_ms > 0 for e in ev)
 
 
+def test_bench_rows_are_a_share_of_this_cards_copy_bandwidth(untied):
+    """`nanoqwen bench`'s GB/s share is of the copy bandwidth measured on the card it runs
+    on (engine/bench.py copy_bandwidth), not a fixed H200 figure: every tg row carries the
+    measured figure and its share of it; the pp rows carry neither."""
+    from nanoqwen.engine.bench import copy_bandwidth, format_table, run_bench
+
+    _, cuda = untied
+    copy = copy_bandwidth(cuda.device)
+    assert copy is not None and copy > 0
+    rows = run_bench(cuda, 16, 8, 1, ["graph", "eager"])
+    tg = [r for r in rows if r["test"].startswith("tg")]
+    assert len(tg) == 2 and all(r["copy_gb_per_s"] > 0 for r in tg)
+    for r in tg:
+        assert r["pct_of_copy_bw"] == pytest.approx(100 * r["gb_per_s"] / r["copy_gb_per_s"])
+    assert not any("copy_gb_per_s" in r for r in rows if r["test"].startswith("pp"))
+    assert f"% of copy ({tg[0]['copy_gb_per_s']:.0f})" in format_table(rows, 1)
+
+
 def greedy_with_margins(ref, prompt, n, stop_ids):
     """The reference's greedy reply and, per step, its top-1 minus top-2 logit."""
     ref.truncate(0)
