@@ -337,3 +337,23 @@ def test_fast_path_is_taken(gen):
     # greedy never reaches the samplers' stages
     _, bits = path_bits(peaked, state(V, 0, 0.9, 0.0, temperature=0.0))
     assert bits == GREEDY, bits
+
+
+@pytest.mark.parametrize("bad, names", [
+    (lambda: torch.zeros(1, dtype=torch.int64, device="cuda"), "path"),     # dtype
+    (lambda: torch.zeros(2, dtype=torch.int32, device="cuda"), "path"),     # shape
+    (lambda: torch.zeros((1, 1), dtype=torch.int32, device="cuda"), "path"),
+    (lambda: torch.zeros(1, dtype=torch.int32), "path")])                   # device
+def test_bad_path_output_is_refused_and_draws_nothing(gen, bad, names):
+    """sample_token's optional `path` output is checked like its other arguments: a wrong
+    dtype, shape or device raises naming it, before anything is launched (the token output
+    keeps its value)."""
+    V = 4096
+    logits = make_logits("peaked", V, gen)
+    pf, pi, ctx, pos = state(V, 40, 0.9, 0.0)
+    out = torch.full((1,), -7, dtype=torch.int32, device="cuda")
+    c = torch.zeros(1, dtype=torch.int64, device="cuda")
+    with pytest.raises(RuntimeError, match=names):
+        ops().sample_token(out, torch.empty_like(logits), logits, ctx, pos, pf, pi, c, bad())
+    torch.cuda.synchronize()
+    assert out.item() == -7
