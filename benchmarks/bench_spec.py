@@ -1,6 +1,7 @@
 """Speculative decoding on a code-editing workload (issue 13 item 4): plain vs prompt lookup.
 
-    python benchmarks/bench_spec.py [--model FILE] [-n 200] [--reps 3] [--temp T] [--json FILE]
+    python benchmarks/bench_spec.py [--model FILE] [--backend reference|cuda] [-n 200] [--reps 3]
+                                    [--temp T] [--json FILE]
 
 Twelve requests that rewrite code given in the prompt (type hints, renames, docstrings, a bug
 fix, f-strings, ...) and four that write new code, each answered by the bundled model (default;
@@ -14,8 +15,9 @@ summary is the median over requests of each group and of the plain / spec ratio.
 differ between plain and speculative runs (the same distribution, other draws), so their
 lengths and texts differ and only the rates and the acceptance compare.
 
-The CUDA engine has no k-token verify step yet, so there is no GPU figure here: the issue's
-7B estimate needs t(k) measured at 7B shapes (not built) combined with this acceptance.
+`--backend cuda` runs the same turns on the CUDA engine (its verify step). The 7B estimate of
+issue 13 item 4 combines this acceptance with t(k) measured at 7B shapes:
+benchmarks/bench_verify.py --acceptance THIS_JSON.
 """
 from __future__ import annotations
 
@@ -109,6 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("-n", type=int, default=200, help="max new tokens per reply")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--temp", type=float, default=0.0, help="0: greedy (default)")
+    ap.add_argument("--backend", default="reference", choices=("reference", "cuda"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -116,7 +119,7 @@ def main(argv=None) -> int:
     from nanoqwen.engine.bench import _commit
     from nanoqwen.engine.sampling import SamplerParams
 
-    eng = loader.load(args.model, backend="reference")
+    eng = loader.load(args.model, backend=args.backend)
     be, tok = eng.backend, eng.tokenizer
     params = (SamplerParams.greedy_params() if args.temp <= 0
               else SamplerParams(temperature=args.temp, seed=1234))

@@ -55,7 +55,13 @@ __device__ __forceinline__ void half8_to_float(float (&f)[8], uint4 u) {
   }
 }
 
-template <int HD, int G>
+// MQ (the verify step, attention_decode_cached): blockIdx.z = query i at position pos + i, its
+// q from row i of qkv [T, q + 2kv], its out / ws / counters slices its own; the K/V of every
+// position, the query's own included, are already in the cache (rope_kv_write, the launch just
+// before: so the page copies wait for griddep_wait). Otherwise the block computes exactly what
+// the decode step's block computes at that position (same splits, same order), so each query's
+// output is bit-identical to attention_decode's there.
+template <int HD, int G, bool MQ>
 __global__ void __launch_bounds__(kDecThreads)
 attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __restrict__ ws_ml,
                    int32_t* __restrict__ counters, const half* __restrict__ qkv,
@@ -89,8 +95,16 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   constexpr int half_d = HD / 2;
 
+  if constexpr (MQ) {  // this query's slices
+    const int qi = blockIdx.z;
+    qkv += (size_t)qi * (n_heads + 2 * n_kv) * HD;
+    out += (size_t)qi * n_heads * HD;
+    ws_acc += (size_t)qi * n_heads * num_splits * HD;
+    ws_ml += (size_t)qi * n_heads * num_splits * 2;
+    counters += (size_t)qi * n_kv;
+  }
   // ---- before griddep_wait: only data written >= 2 launches back ----
-  const int p = pos_ptr[0];
+  const int p = pos_ptr[0] + (MQ ? (int)blockIdx.z : 0);
   const int cap = table_len * kPageSize;
   const int len = max(min(p + 1, cap), 1);
   const int n_pages = (len + kPageSize - 1) / kPageSize;
@@ -102,7 +116,7 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
   const int np = p_end - p_begin;
   const int t_end = min(p_end * kPageSize, len);
   const bool in_cache = p >= 0 && p < cap;
-  const int new_t = in_cache && p >= p_begin * kPageSize && p < t_end ? p : -1;
+  const int new_t = !MQ && in_cache && p >= p_begin * kPageSize && p < t_end ? p : -1;
   const int p_tab = p < 0 ? 0 : (p < cap ? p : cap - 1);
   const size_t slot_stride = (size_t)n_kv * HD;
 
@@ -119,6 +133,7 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
       cp_async16(st + which * kPageHalves + row * HD + col, src);
     }
   };
+  if constexpr (MQ) griddep_wait();  // the new positions' K/V come from the launch just before
 #pragma unroll
   for (int i = 0; i < kDecStages - 1; ++i) {
     if (i < np) issue_page(i);
@@ -135,7 +150,7 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
   }
 
   // ---- after the wait: qkv (the GEMV just before), cache writes, ws, counters ----
-  griddep_wait();
+  if constexpr (!MQ) griddep_wait();
   griddep_launch_dependents();
 
 #pragma unroll
@@ -375,23 +390,28 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
   if (tid == 0) counters[kvh] = 0;  // every active block of this kv head has counted
 }
 
-cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* counters,
-                             const half* qkv, half* k_cache, half* v_cache,
+namespace {
+
+template <bool MQ>
+cudaError_t launch_attention(const char* fn, int T, half* out, float* ws_acc, float* ws_ml,
+                             int32_t* counters, const half* qkv, half* k_cache, half* v_cache,
                              const float* cos_table, const float* sin_table,
                              const int32_t* page_table, int table_len, const int32_t* pos,
                              int n_heads, int n_kv, int head_dim, int num_splits, int min_pps,
                              float scale, cudaStream_t stream) {
+  if (T < 1 || T > kMaxVerifyQueries)
+    return nq_fail(cudaErrorInvalidValue, "%s: T=%d queries, 1..%d", fn, T, kMaxVerifyQueries);
   if (n_kv <= 0 || n_heads % n_kv || n_heads / n_kv > kMaxGqa || num_splits <= 0 ||
       table_len <= 0 || min_pps < 0 || min_pps > kDecMinPpsMax ||
       (head_dim != 64 && head_dim != 128))
     return nq_fail(cudaErrorInvalidValue,
-                   "attention_decode: n_heads=%d n_kv=%d head_dim=%d num_splits=%d table_len=%d "
+                   "%s: n_heads=%d n_kv=%d head_dim=%d num_splits=%d table_len=%d "
                    "min_pps=%d (needs a whole GQA ratio <= %d, head_dim 64 or 128, num_splits and "
                    "table_len >= 1, min_pps 0..%d)",
-                   n_heads, n_kv, head_dim, num_splits, table_len, min_pps, kMaxGqa, kDecMinPpsMax);
+                   fn, n_heads, n_kv, head_dim, num_splits, table_len, min_pps, kMaxGqa, kDecMinPpsMax);
   if (min_pps == 0) min_pps = kDecMinPpsDefault;
   const float scale_log2 = scale * 1.4426950408889634f;
-  const dim3 grid(n_kv, num_splits);
+  const dim3 grid(n_kv, num_splits, T);
   // one instantiation per (head_dim, GQA ratio): G is a template parameter so the heads' loops
   // unroll and interleave (RESULTS.md, "Fused decode attention", run 2)
   bool launched = false;
@@ -399,7 +419,9 @@ cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* co
 #define NQ_DECODE_CASE(HD, G)                                                                    \
   case G:                                                                                      \
     launched = true;                                                                           \
-    e = launch_pdl("attention_decode<" #HD ", " #G ">", attn_decode_kernel<HD, G>, grid,       \
+    e = launch_pdl(MQ ? "attention_decode_cached<" #HD ", " #G ">"                            \
+                      : "attention_decode<" #HD ", " #G ">",                                   \
+                   attn_decode_kernel<HD, G, MQ>, grid,                                        \
                    dim3(kDecThreads), 0, stream, out, ws_acc, ws_ml, counters, qkv, k_cache,    \
                    v_cache, cos_table, sin_table, page_table, table_len, pos, n_heads, n_kv,    \
                    num_splits, min_pps, scale_log2);                                           \
@@ -418,13 +440,40 @@ cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* co
 #undef NQ_DECODE_HD
 #undef NQ_DECODE_CASE
   if (!launched)
-    return nq_fail(cudaErrorInvalidValue, "attention_decode: no instance for head_dim=%d, G=%d",
+    return nq_fail(cudaErrorInvalidValue, "%s: no instance for head_dim=%d, G=%d", fn,
                    head_dim, n_heads / n_kv);  // unreachable after the checks above
   if (e == cudaSuccess) return e;
   return nq_fail(e,
-                 "attention_decode: n_heads=%d n_kv=%d head_dim=%d num_splits=%d table_len=%d "
+                 "%s: T=%d n_heads=%d n_kv=%d head_dim=%d num_splits=%d table_len=%d "
                  "min_pps=%d: %s",
-                 n_heads, n_kv, head_dim, num_splits, table_len, min_pps, last_error_message());
+                 fn, T, n_heads, n_kv, head_dim, num_splits, table_len, min_pps,
+                 last_error_message());
+}
+
+}  // namespace
+
+cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* counters,
+                             const half* qkv, half* k_cache, half* v_cache,
+                             const float* cos_table, const float* sin_table,
+                             const int32_t* page_table, int table_len, const int32_t* pos,
+                             int n_heads, int n_kv, int head_dim, int num_splits, int min_pps,
+                             float scale, cudaStream_t stream) {
+  return launch_attention<false>("attention_decode", 1, out, ws_acc, ws_ml, counters, qkv,
+                                 k_cache, v_cache, cos_table, sin_table, page_table, table_len,
+                                 pos, n_heads, n_kv, head_dim, num_splits, min_pps, scale, stream);
+}
+
+cudaError_t attention_decode_cached(half* out, float* ws_acc, float* ws_ml, int32_t* counters,
+                                    const half* qkv, const half* k_cache, const half* v_cache,
+                                    const float* cos_table, const float* sin_table,
+                                    const int32_t* page_table, int table_len, const int32_t* pos,
+                                    int T, int n_heads, int n_kv, int head_dim, int num_splits,
+                                    int min_pps, float scale, cudaStream_t stream) {
+  // (the kernel writes the caches only when !MQ)
+  return launch_attention<true>("attention_decode_cached", T, out, ws_acc, ws_ml, counters, qkv,
+                                const_cast<half*>(k_cache), const_cast<half*>(v_cache),
+                                cos_table, sin_table, page_table, table_len, pos, n_heads, n_kv,
+                                head_dim, num_splits, min_pps, scale, stream);
 }
 
 }  // namespace nanoqwen

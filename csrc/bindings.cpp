@@ -377,13 +377,24 @@ void check_qweight(const char* op, const Tensor& qweight, const Tensor& scales, 
   *k_out = k;
 }
 
-// an INT4 matrix and the fp16 x [k] it multiplies
+// The columns of a GEMV's x: x is [k] (one column, the decode step) or [cols, k] with
+// 1 <= cols <= kMaxGemvCols (the verify step's tokens); the output has cols * n elements.
+int64_t gemv_cols(const char* op, const Tensor& x, int64_t k) {
+  NQ_CHECK((x.dim() == 1 && x.size(0) == k) || (x.dim() == 2 && x.size(1) == k), op,
+           ": x is ", shape_str(x), ", expected [k] or [cols, k] with k=", k);
+  const int64_t cols = x.dim() == 1 ? 1 : x.size(0);
+  NQ_CHECK(cols >= 1 && cols <= nanoqwen::kMaxGemvCols, op, ": x has ", cols,
+           " columns, expected 1..", nanoqwen::kMaxGemvCols);
+  return cols;
+}
+
+// an INT4 matrix and the fp16 x [k] or [cols, k] it multiplies; sets cols
 void check_int4(const char* op, const Tensor& x, const Tensor& qweight, const Tensor& scales,
-                int64_t* n_out, int64_t* k_out, const char* qname = "qweight",
+                int64_t* n_out, int64_t* k_out, int64_t* cols, const char* qname = "qweight",
                 const char* sname = "scales") {
   check_arg(op, "x", x, at::kHalf);
   check_qweight(op, qweight, scales, n_out, k_out, qname, sname);
-  NQ_CHECK(x.numel() == *k_out, op, ": x has ", x.numel(), " elements, expected k=", *k_out);
+  *cols = gemv_cols(op, x, *k_out);
 }
 
 // The optional bias of y = W x + bias: fp16 with n elements on y's device; nullptr when absent.
@@ -401,43 +412,46 @@ const uint32_t* qw(const Tensor& t) { return reinterpret_cast<const uint32_t*>(t
 void gemv_int4(Tensor& y, const Tensor& x, const Tensor& qweight, const Tensor& scales,
                const c10::optional<Tensor>& bias) {
   const char* op = "gemv_int4";
-  int64_t n, k;
-  check_int4(op, x, qweight, scales, &n, &k);
+  int64_t n, k, c;
+  check_int4(op, x, qweight, scales, &n, &k, &c);
   check_arg(op, "y", y, at::kHalf);
-  NQ_CHECK(y.numel() == n, op, ": y has ", y.numel(), " elements, expected n=", n);
+  NQ_CHECK(y.numel() == c * n, op, ": y has ", y.numel(), " elements, expected cols*n=", c * n);
   const half* b = opt_bias(op, bias, y, n);
   for (const Tensor* t : Ts{&x, &qweight, &scales}) same_device(op, y, *t, "an input");
   const c10::cuda::CUDAGuard g(y.device());
   check_launch(op, nanoqwen::gemv_int4(hp(y), chp(x), qw(qweight), chp(scales), b, (int)n,
-                                       (int)k, stream_of(y)));
+                                       (int)k, (int)c, stream_of(y)));
 }
 
 void gemv_int4_residual(Tensor& hidden, const Tensor& x, const Tensor& qweight,
                         const Tensor& scales) {
   const char* op = "gemv_int4_residual";
-  int64_t n, k;
-  check_int4(op, x, qweight, scales, &n, &k);
+  int64_t n, k, c;
+  check_int4(op, x, qweight, scales, &n, &k, &c);
   check_arg(op, "hidden", hidden, at::kFloat);
-  NQ_CHECK(hidden.numel() == n, op, ": hidden has ", hidden.numel(), " elements, expected n=", n);
+  NQ_CHECK(hidden.numel() == c * n, op, ": hidden has ", hidden.numel(),
+           " elements, expected cols*n=", c * n);
   for (const Tensor* t : Ts{&x, &qweight, &scales}) same_device(op, hidden, *t, "an input");
   const c10::cuda::CUDAGuard g(hidden.device());
   check_launch(op, nanoqwen::gemv_int4_residual(hidden.data_ptr<float>(), chp(x), qw(qweight),
-                                                chp(scales), (int)n, (int)k, stream_of(hidden)));
+                                                chp(scales), (int)n, (int)k, (int)c,
+                                                stream_of(hidden)));
 }
 
 void gemv_int4_silu_mul(Tensor& out, const Tensor& x, const Tensor& qw_gate, const Tensor& sc_gate,
                         const Tensor& qw_up, const Tensor& sc_up) {
   const char* op = "gemv_int4_silu_mul";
-  int64_t n, k, n2, k2;
-  check_int4(op, x, qw_gate, sc_gate, &n, &k, "qw_gate", "sc_gate");
-  check_int4(op, x, qw_up, sc_up, &n2, &k2, "qw_up", "sc_up");
+  int64_t n, k, n2, k2, c;
+  check_int4(op, x, qw_gate, sc_gate, &n, &k, &c, "qw_gate", "sc_gate");
+  check_int4(op, x, qw_up, sc_up, &n2, &k2, &c, "qw_up", "sc_up");
   NQ_CHECK(n == n2, op, ": gate has n=", n, " rows but up has ", n2);
   check_arg(op, "out", out, at::kHalf);
-  NQ_CHECK(out.numel() == n, op, ": out has ", out.numel(), " elements, expected n=", n);
+  NQ_CHECK(out.numel() == c * n, op, ": out has ", out.numel(), " elements, expected cols*n=",
+           c * n);
   for (const Tensor* t : Ts{&x, &qw_gate, &sc_gate, &qw_up, &sc_up}) same_device(op, out, *t, "an input");
   const c10::cuda::CUDAGuard g(out.device());
   check_launch(op, nanoqwen::gemv_int4_silu_mul(hp(out), chp(x), qw(qw_gate), chp(sc_gate),
-                                                qw(qw_up), chp(sc_up), (int)n, (int)k,
+                                                qw(qw_up), chp(sc_up), (int)n, (int)k, (int)c,
                                                 stream_of(out)));
 }
 
@@ -448,13 +462,14 @@ void gemv_fp16(Tensor& logits, const Tensor& x, const Tensor& w) {
   check_arg(op, "w", w, at::kHalf);
   check_dims(op, "w", w, {-1, -1});
   const int64_t n = w.size(0), k = w.size(1);
-  NQ_CHECK(x.numel() == k, op, ": x has ", x.numel(), " elements, expected k=", k);
-  NQ_CHECK(logits.numel() == n, op, ": logits has ", logits.numel(), " elements, expected n=", n);
+  const int64_t c = gemv_cols(op, x, k);
+  NQ_CHECK(logits.numel() == c * n, op, ": logits has ", logits.numel(),
+           " elements, expected cols*n=", c * n);
   same_device(op, logits, x, "x");
   same_device(op, logits, w, "w");
   const c10::cuda::CUDAGuard g(logits.device());
   check_launch(op, nanoqwen::gemv_fp16(logits.data_ptr<float>(), chp(x), chp(w), (int)n,
-                                       (int)k, stream_of(logits)));
+                                       (int)k, (int)c, stream_of(logits)));
 }
 
 void dequant_int4(Tensor& w, const Tensor& qweight, const Tensor& scales) {
@@ -843,6 +858,29 @@ class Engine : public torch::CustomClassHolder {
     }
   }
 
+  // The verify step of speculative decoding (engine.h launch_verify): ids (CPU int32 [T], T <=
+  // kMaxVerify) at positions pos0.. into the cache as T decode steps would write them; returns
+  // the device logits of all of them, [T, V] fp32 (a view of the engine's buffer, valid until
+  // the next verify; read it on the engine's stream). The page table must cover pos0 + T.
+  Tensor verify(const Tensor& ids, int64_t pos0) {
+    const int64_t T = check_ids("verify", ids, pos0);
+    NQ_CHECK(T <= nanoqwen::kMaxVerify, "verify: ", T, " tokens, at most ", nanoqwen::kMaxVerify);
+    if (v_.empty()) alloc_verify();   // GIL held: allocates through ATen
+    NoGil nogil;
+    c10::InferenceMode im;
+    const c10::cuda::CUDAGuard dg(device_);
+    const int32_t pos32 = (int32_t)pos0;
+    // pageable sources: each copy has left them when it returns
+    check_cuda(cudaMemcpyAsync(vargs_.ids, ids.data_ptr<int32_t>(), T * sizeof(int32_t),
+                               cudaMemcpyHostToDevice, stream_),
+               "verify: cudaMemcpyAsync of " + std::to_string(T) + " ids to the device");
+    check_cuda(cudaMemcpyAsync(vargs_.pos, &pos32, sizeof(int32_t), cudaMemcpyHostToDevice,
+                               stream_),
+               "verify: cudaMemcpyAsync of the position to the device");
+    check_engine(nanoqwen::launch_verify(a_, vargs_, (int)T, stream_), "verify step");
+    return v_[6].narrow(0, 0, T);
+  }
+
   // Start the launcher thread for steps 1..n_steps (engine.h).
   void start(int64_t n_steps, bool graph, int64_t run_ahead) {
     NQ_CHECK(n_steps >= 0 && run_ahead >= 1, "start: n_steps=", n_steps, ", run_ahead=", run_ahead);
@@ -943,7 +981,27 @@ class Engine : public torch::CustomClassHolder {
     return out[0].permute({1, 0, 2}).reshape({q1 - q0, a_.n_heads * hd});
   }
 
-  std::vector<Tensor> g_, l_, d_;
+  // verify()'s buffers (engine.h VerifyArgs), kMaxVerify rows each, made at the first verify:
+  // ids, pos, hidden, xn, qkv, q, logits, attn, act, ws_acc, ws_ml, counters
+  void alloc_verify() {
+    const int64_t M = nanoqwen::kMaxVerify, H = a_.H, I = a_.I, nh = a_.n_heads,
+                  nkv = a_.n_kv, hd = a_.head_dim, S = a_.num_splits;
+    const auto f = g_[3].options(), h = g_[4].options(), i = g_[17].options();
+    v_ = {at::empty({M}, i), at::empty({1}, i), at::empty({M, H}, f), at::empty({M, H}, h),
+          at::empty({M, (nh + 2 * nkv) * hd}, h), at::empty({M, nh * hd}, h),
+          at::empty({M, (int64_t)a_.vocab}, f), at::empty({M, nh * hd}, h), at::empty({M, I}, h),
+          at::empty({M * nh * S * hd}, f), at::empty({M * nh * S * 2}, f),
+          at::zeros({M * nkv}, i)};
+    nanoqwen::VerifyArgs& v = vargs_;
+    v.ids = v_[0].data_ptr<int32_t>(); v.pos = v_[1].data_ptr<int32_t>();
+    v.hidden = v_[2].data_ptr<float>(); v.xn = hp(v_[3]); v.qkv = hp(v_[4]); v.q = hp(v_[5]);
+    v.logits = v_[6].data_ptr<float>(); v.attn = hp(v_[7]); v.act = hp(v_[8]);
+    v.ws_acc = v_[9].data_ptr<float>(); v.ws_ml = v_[10].data_ptr<float>();
+    v.attn_counters = v_[11].data_ptr<int32_t>();
+  }
+
+  std::vector<Tensor> g_, l_, d_, v_;
+  nanoqwen::VerifyArgs vargs_;
   bool resident_ = false;
   int64_t chunk_ = 2048;
   c10::Device device_{c10::kCUDA, 0};
@@ -966,6 +1024,7 @@ TORCH_LIBRARY(nanoqwen, m) {
       .def("begin_turn", &nanoqwen_ops::Engine::begin_turn)
       .def("start_turn", &nanoqwen_ops::Engine::start_turn)
       .def("prefill", &nanoqwen_ops::Engine::prefill)
+      .def("verify", &nanoqwen_ops::Engine::verify)
       .def("start", &nanoqwen_ops::Engine::start)
       .def("set_graph", &nanoqwen_ops::Engine::set_graph)
       .def("cancel", &nanoqwen_ops::Engine::cancel)
@@ -991,7 +1050,8 @@ TORCH_LIBRARY(nanoqwen, m) {
   // end of step: sampled id -> next input, pos += 1, context ids, pinned host ring, counter += 1
   m.def("advance_step(Tensor! token_in, Tensor! pos, Tensor! ctx_tokens, Tensor! counter, "
         "Tensor! host_ring, Tensor sampled, Tensor stops, Tensor! halt) -> ()");
-  // INT4 g128 GEMV y = W x + bias (the fused q/k/v projection)
+  // INT4 g128 GEMV y = W x + bias (the fused q/k/v projection); every GEMV takes x [k] or
+  // [cols <= 16, k] (the verify step's tokens; each column as a one-column call computes it)
   m.def("gemv_int4(Tensor! y, Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> ()");
   // INT4 GEMV accumulated into the fp32 residual (o_proj, down_proj)
   m.def("gemv_int4_residual(Tensor! hidden, Tensor x, Tensor qweight, Tensor scales) -> ()");

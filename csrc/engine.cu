@@ -84,7 +84,7 @@ cudaError_t stamp_time(uint64_t* out, cudaStream_t stream) {
 cudaError_t launch_logits(const StepArgs& a, cudaStream_t s) {
   NQ_TRY(rmsnorm(a.xn, a.hidden, a.final_norm, 1, a.H, a.eps, s),
          "decode step, final rmsnorm (H=%d)", a.H);
-  NQ_TRY(gemv_fp16(a.logits, a.xn, a.lm_head, a.vocab, a.H, s),
+  NQ_TRY(gemv_fp16(a.logits, a.xn, a.lm_head, a.vocab, a.H, 1, s),
          "decode step, lm_head gemv_fp16 (n=%d, k=%d)", a.vocab, a.H);
   return cudaSuccess;
 }
@@ -108,24 +108,62 @@ cudaError_t launch_step(const StepArgs& a, cudaStream_t s) {
     const LayerPtrs& L = a.layers[li];
     NQ_TRY(rmsnorm(a.xn, a.hidden, L.ln1, 1, a.H, a.eps, s), "decode step, layer %d, rmsnorm 1",
            li);
-    NQ_TRY(gemv_int4(a.qkv, a.xn, L.qkv_qw, L.qkv_sc, L.qkv_b, qkv_n, a.H, s),
+    NQ_TRY(gemv_int4(a.qkv, a.xn, L.qkv_qw, L.qkv_sc, L.qkv_b, qkv_n, a.H, 1, s),
            "decode step, layer %d, qkv gemv_int4", li);
     NQ_TRY(attention_decode(a.attn, a.ws_acc, a.ws_ml, a.attn_counters, a.qkv, L.k_cache,
                             L.v_cache, a.cos, a.sin, a.page_table, a.table_len, a.pos, a.n_heads,
                             a.n_kv, a.head_dim, a.num_splits, a.min_pps, scale, s),
            "decode step, layer %d, attention_decode (heads %d/%d, d=%d, splits %d, min_pps %d)",
            li, a.n_heads, a.n_kv, a.head_dim, a.num_splits, a.min_pps);
-    NQ_TRY(gemv_int4_residual(a.hidden, a.attn, L.o_qw, L.o_sc, a.H, q, s),
+    NQ_TRY(gemv_int4_residual(a.hidden, a.attn, L.o_qw, L.o_sc, a.H, q, 1, s),
            "decode step, layer %d, o gemv_int4_residual", li);
     NQ_TRY(rmsnorm(a.xn, a.hidden, L.ln2, 1, a.H, a.eps, s), "decode step, layer %d, rmsnorm 2",
            li);
-    NQ_TRY(gemv_int4_silu_mul(a.act, a.xn, L.gate_qw, L.gate_sc, L.up_qw, L.up_sc, a.I, a.H, s),
+    NQ_TRY(gemv_int4_silu_mul(a.act, a.xn, L.gate_qw, L.gate_sc, L.up_qw, L.up_sc, a.I, a.H, 1, s),
            "decode step, layer %d, gate/up gemv_int4_silu_mul", li);
-    NQ_TRY(gemv_int4_residual(a.hidden, a.act, L.down_qw, L.down_sc, a.H, a.I, s),
+    NQ_TRY(gemv_int4_residual(a.hidden, a.act, L.down_qw, L.down_sc, a.H, a.I, 1, s),
            "decode step, layer %d, down gemv_int4_residual", li);
   }
   const cudaError_t e = launch_logits(a, s);
   return e != cudaSuccess ? e : launch_sample_advance(a, s);
+}
+
+cudaError_t launch_verify(const StepArgs& a, const VerifyArgs& v, int T, cudaStream_t s) {
+  if (T < 1 || T > kMaxVerify)
+    return nq_fail(cudaErrorInvalidValue, "verify step: T=%d tokens, 1..%d", T, kMaxVerify);
+  const int qkv_n = (a.n_heads + 2 * a.n_kv) * a.head_dim, q = a.n_heads * a.head_dim;
+  const float scale = 1.0f / sqrtf((float)a.head_dim);
+  NQ_TRY(embed_gather(v.hidden, a.embed, v.ids, T, a.H, a.vocab, s),
+         "verify step (T=%d), embed_gather (H=%d, V=%d)", T, a.H, a.vocab);
+  for (int li = 0; li < (int)a.layers.size(); ++li) {
+    const LayerPtrs& L = a.layers[li];
+    NQ_TRY(rmsnorm(v.xn, v.hidden, L.ln1, T, a.H, a.eps, s),
+           "verify step (T=%d), layer %d, rmsnorm 1", T, li);
+    NQ_TRY(gemv_int4(v.qkv, v.xn, L.qkv_qw, L.qkv_sc, L.qkv_b, qkv_n, a.H, T, s),
+           "verify step (T=%d), layer %d, qkv gemv_int4", T, li);
+    NQ_TRY(rope_kv_write(v.q, L.k_cache, L.v_cache, v.qkv, a.cos, a.sin, v.pos, a.page_table,
+                         a.table_len, T, a.n_heads, a.n_kv, a.head_dim, s),
+           "verify step (T=%d), layer %d, rope_kv_write", T, li);
+    NQ_TRY(attention_decode_cached(v.attn, v.ws_acc, v.ws_ml, v.attn_counters, v.qkv, L.k_cache,
+                                   L.v_cache, a.cos, a.sin, a.page_table, a.table_len, v.pos, T,
+                                   a.n_heads, a.n_kv, a.head_dim, a.num_splits, a.min_pps, scale,
+                                   s),
+           "verify step (T=%d), layer %d, attention_decode_cached (heads %d/%d, d=%d, splits %d)",
+           T, li, a.n_heads, a.n_kv, a.head_dim, a.num_splits);
+    NQ_TRY(gemv_int4_residual(v.hidden, v.attn, L.o_qw, L.o_sc, a.H, q, T, s),
+           "verify step (T=%d), layer %d, o gemv_int4_residual", T, li);
+    NQ_TRY(rmsnorm(v.xn, v.hidden, L.ln2, T, a.H, a.eps, s),
+           "verify step (T=%d), layer %d, rmsnorm 2", T, li);
+    NQ_TRY(gemv_int4_silu_mul(v.act, v.xn, L.gate_qw, L.gate_sc, L.up_qw, L.up_sc, a.I, a.H, T, s),
+           "verify step (T=%d), layer %d, gate/up gemv_int4_silu_mul", T, li);
+    NQ_TRY(gemv_int4_residual(v.hidden, v.act, L.down_qw, L.down_sc, a.H, a.I, T, s),
+           "verify step (T=%d), layer %d, down gemv_int4_residual", T, li);
+  }
+  NQ_TRY(rmsnorm(v.xn, v.hidden, a.final_norm, T, a.H, a.eps, s),
+         "verify step (T=%d), final rmsnorm (H=%d)", T, a.H);
+  NQ_TRY(gemv_fp16(v.logits, v.xn, a.lm_head, a.vocab, a.H, T, s),
+         "verify step (T=%d), lm_head gemv_fp16 (n=%d, k=%d)", T, a.vocab, a.H);
+  return cudaSuccess;
 }
 
 // ---- DecodeLoop ---------------------------------------------------------------------------------

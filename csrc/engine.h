@@ -93,6 +93,24 @@ struct StepArgs {
   int32_t* halt = nullptr;           // host, mapped: [1]
 };
 
+// The speculative verify step's buffers (T <= kMaxVerify rows each; device memory): the
+// decode step's activations with a row per token, and T slices of its attention workspace.
+constexpr int kMaxVerify = 16;
+struct VerifyArgs {
+  int32_t* ids = nullptr;            // [T] the tokens (the last sampled one, then the drafts)
+  int32_t* pos = nullptr;            // [1] the first one's position
+  float* hidden = nullptr;           // [T, H]
+  half* xn = nullptr;                // [T, H]
+  half* qkv = nullptr;               // [T, q + 2kv]
+  half* q = nullptr;                 // [T, n_heads, head_dim] (rope_kv_write's q, not read)
+  half* attn = nullptr;              // [T, n_heads, head_dim]
+  half* act = nullptr;               // [T, I]
+  float* logits = nullptr;           // [T, V]
+  float* ws_acc = nullptr;           // [T, n_heads, num_splits, head_dim]
+  float* ws_ml = nullptr;            // [T, n_heads, num_splits, 2]
+  int32_t* attn_counters = nullptr;  // [T, n_kv], zero
+};
+
 constexpr int kMaxStops = 8;
 constexpr int kRingSize = 256;      // slots in the pinned ring (the run-ahead is below it)
 
@@ -107,6 +125,15 @@ cudaError_t launch_sample_advance(const StepArgs& a, cudaStream_t stream);
 // attention_decode -> o GEMV (+residual) -> rmsnorm -> gate/up GEMV (SiLU*mul) -> down GEMV
 // (+residual), then launch_logits and launch_sample_advance. Safe to capture.
 cudaError_t launch_step(const StepArgs& a, cudaStream_t stream);
+
+// The verify step of speculative decoding: T tokens (v.ids) at positions *v.pos.. forwarded as
+// T decode steps would forward them, in one pass over the weights -- their K/V into the cache
+// (rope_kv_write), the logits of every one into v.logits [T, V]. Every GEMV runs T columns
+// (gemv.h), attention is attention_decode_cached: each row's logits are bit-identical to the
+// decode step's at that position, so greedy speculation keeps the plain decode's tokens. No
+// sampling, no ring, no advance: the caller reads the logits. The page table must cover the
+// positions. Safe to capture.
+cudaError_t launch_verify(const StepArgs& a, const VerifyArgs& v, int T, cudaStream_t stream);
 
 // Writes the GPU's globaltimer (ns) into *out (host mapped) when the stream reaches it.
 cudaError_t stamp_time(uint64_t* out, cudaStream_t stream);

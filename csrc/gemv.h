@@ -15,7 +15,7 @@
 //   W[n, k] = (u - 8) * scales[n, k/128]
 //
 // Invariants every launcher checks:
-//   n >= 1, k >= 128 and k % 128 == 0 (INT4) / k >= 8 and k % 8 == 0 (fp16);
+//   n >= 1, k >= 128 and k % 128 == 0 (INT4) / k >= 8 and k % 8 == 0 (fp16); 1 <= cols <= 16;
 //   x, qweight, w 16-byte aligned (torch allocations are; a sliced view may not be);
 //   the shape fits the one kernel instance of its op (gemv_int4.cu's table: shared memory for
 //   x and the weight ring; n * k/32 within int) -- every Qwen2.5-Coder shape does; any other is
@@ -41,23 +41,31 @@
 
 namespace nanoqwen {
 
-// y[n] = sum_k W[n,k]*x[k] + (bias ? bias[n] : 0)      y, bias: half [n]; x: half [k]
-// (q/k/v are one call on the concatenated [q_size + 2*kv_size, k] matrix with one bias)
+// Columns: every GEMV takes `cols` (1..kMaxGemvCols) activation rows at once -- x [cols, k],
+// the output [cols, n], both row-major -- and reads the weights once for all of them (the
+// speculative verify step's k tokens; the decode step passes 1). Column c's result is
+// bit-identical to a cols = 1 call on row c of x (the same products, sums and order per column;
+// tests/gpu checks it), so a verified token sees exactly the numbers a decode step would.
+constexpr int kMaxGemvCols = 16;
+
+// y[c][n] = sum_k W[n,k]*x[c][k] + (bias ? bias[n] : 0)     y: half [cols, n]; x: half [cols, k];
+// bias: half [n] (q/k/v are one call on the concatenated [q_size + 2*kv_size, k] matrix)
 cudaError_t gemv_int4(half* y, const half* x, const uint32_t* qweight, const half* scales,
-                      const half* bias, int n, int k, cudaStream_t stream);
+                      const half* bias, int n, int k, int cols, cudaStream_t stream);
 
-// hidden[n] += sum_k W[n,k]*x[k]    fp32 residual stream, in place (o_proj, down_proj).
+// hidden[c][n] += sum_k W[n,k]*x[c][k]    fp32 residual stream, in place (o_proj, down_proj).
 cudaError_t gemv_int4_residual(float* hidden, const half* x, const uint32_t* qweight,
-                               const half* scales, int n, int k, cudaStream_t stream);
+                               const half* scales, int n, int k, int cols, cudaStream_t stream);
 
-// out[j] = silu(Wg x)[j] * (Wu x)[j], j < n; gate and up are two INT4 matrices [n, k].
+// out[c][j] = silu(Wg x[c])[j] * (Wu x[c])[j], j < n; gate and up are two INT4 matrices [n, k].
 // Both dot products and the SiLU are fp32; only `out` is rounded to half.
 cudaError_t gemv_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate,
                                const half* sc_gate, const uint32_t* qw_up, const half* sc_up,
-                               int n, int k, cudaStream_t stream);
+                               int n, int k, int cols, cudaStream_t stream);
 
-// logits[n] = sum_k W[n,k]*x[k]   W fp16 row-major [n, k] (the lm_head), fp32 products and sums.
-cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k,
+// logits[c][n] = sum_k W[n,k]*x[c][k]   W fp16 row-major [n, k] (the lm_head), fp32 products and
+// sums.
+cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k, int cols,
                       cudaStream_t stream);
 
 // w half [n, k] = dequantize(qweight, scales); bit-identical to quant.dequantize(...).half()

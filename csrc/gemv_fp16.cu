@@ -29,11 +29,13 @@ __device__ __forceinline__ float2 h2f(uint32_t u) {
 constexpr int kRows = 1;    // R: rows per warp
 constexpr int kUnroll = 8;  // U: 16-byte chunks per row in flight
 
-template <int R, int U>
+// NC > 1: nc <= NC columns (the verify step), x [nc, k], out [nc, n]; per column the products
+// and sums run in the one-column order, so each column is bit-identical to an NC = 1 launch.
+template <int R, int U, int NC>
 __global__ void __launch_bounds__(kThreads) gemv_fp16_kernel(float* __restrict__ out,
                                                              const half* __restrict__ x,
                                                              const half* __restrict__ w, int n,
-                                                             int k) {
+                                                             int k, int nc) {
   const int lane = threadIdx.x & 31;
   const int C = k >> 3;  // 16-byte chunks per row
   const int ngroups = (n + R - 1) / R;
@@ -57,41 +59,51 @@ __global__ void __launch_bounds__(kThreads) gemv_fp16_kernel(float* __restrict__
   griddep_wait();
   griddep_launch_dependents();
   const uint4* x4 = reinterpret_cast<const uint4*>(x);
-  float acc0[R], acc1[R];  // two chains per row for FMA latency
+  float acc0[NC][R], acc1[NC][R];  // two chains per row and column for FMA latency
 #pragma unroll
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = 0.f;
+  for (int q = 0; q < NC; ++q)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc0[q][r] = acc1[q][r] = 0.f;
 
   while (rg < ngroups) {  // warp-uniform
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = cb + lane + 32 * u;
       if (c < C) {
-        const uint4 xv = __ldg(x4 + c);
-        const float2 x0 = h2f(xv.x), x1 = h2f(xv.y), x2 = h2f(xv.z), x3 = h2f(xv.w);
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const float2 w0 = h2f(wv[u][r].x), w1 = h2f(wv[u][r].y), w2 = h2f(wv[u][r].z),
-                       w3 = h2f(wv[u][r].w);
-          acc0[r] = fmaf(w0.x, x0.x, acc0[r]);
-          acc1[r] = fmaf(w0.y, x0.y, acc1[r]);
-          acc0[r] = fmaf(w1.x, x1.x, acc0[r]);
-          acc1[r] = fmaf(w1.y, x1.y, acc1[r]);
-          acc0[r] = fmaf(w2.x, x2.x, acc0[r]);
-          acc1[r] = fmaf(w2.y, x2.y, acc1[r]);
-          acc0[r] = fmaf(w3.x, x3.x, acc0[r]);
-          acc1[r] = fmaf(w3.y, x3.y, acc1[r]);
+        for (int q = 0; q < NC; ++q) {
+          if (NC > 1 && q >= nc) break;  // warp-uniform
+          const uint4 xv = __ldg(x4 + (size_t)q * C + c);
+          const float2 x0 = h2f(xv.x), x1 = h2f(xv.y), x2 = h2f(xv.z), x3 = h2f(xv.w);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const float2 w0 = h2f(wv[u][r].x), w1 = h2f(wv[u][r].y), w2 = h2f(wv[u][r].z),
+                         w3 = h2f(wv[u][r].w);
+            acc0[q][r] = fmaf(w0.x, x0.x, acc0[q][r]);
+            acc1[q][r] = fmaf(w0.y, x0.y, acc1[q][r]);
+            acc0[q][r] = fmaf(w1.x, x1.x, acc0[q][r]);
+            acc1[q][r] = fmaf(w1.y, x1.y, acc1[q][r]);
+            acc0[q][r] = fmaf(w2.x, x2.x, acc0[q][r]);
+            acc1[q][r] = fmaf(w2.y, x2.y, acc1[q][r]);
+            acc0[q][r] = fmaf(w3.x, x3.x, acc0[q][r]);
+            acc1[q][r] = fmaf(w3.y, x3.y, acc1[q][r]);
+          }
         }
       }
     }
     cb += 32 * U;
     if (cb >= C) {  // row group done
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float v = acc0[r] + acc1[r];
+      for (int q = 0; q < NC; ++q) {
+        if (NC > 1 && q >= nc) break;  // warp-uniform
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-        if (lane == r && rg * R + r < n) out[rg * R + r] = v;
-        acc0[r] = acc1[r] = 0.f;
+        for (int r = 0; r < R; ++r) {
+          float v = acc0[q][r] + acc1[q][r];
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+          if (lane == r && rg * R + r < n) out[(size_t)q * n + rg * R + r] = v;
+          acc0[q][r] = acc1[q][r] = 0.f;
+        }
       }
       cb = 0;
       rg += gstride;
@@ -104,7 +116,7 @@ bool misaligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u)
 
 }  // namespace
 
-cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k,
+cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k, int cols,
                       cudaStream_t stream) {
   if (!logits || !x || !w)
     return nq_fail(cudaErrorInvalidValue, "gemv_fp16: null pointer (logits=%p x=%p w=%p)",
@@ -115,12 +127,25 @@ cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k,
   if (misaligned16(x) || misaligned16(w))
     return nq_fail(cudaErrorInvalidValue, "gemv_fp16: x=%p and w=%p must be 16-byte aligned",
                    (const void*)x, (const void*)w);
+  if (cols < 1 || cols > kMaxGemvCols)
+    return nq_fail(cudaErrorInvalidValue, "gemv_fp16: cols=%d must be 1..%d (n=%d, k=%d)", cols,
+                   kMaxGemvCols, n, k);
   const int warps = (n + kRows - 1) / kRows;
-  const cudaError_t e = launch_pdl("gemv_fp16_kernel", gemv_fp16_kernel<kRows, kUnroll>,
-                                   dim3((warps + kWarps - 1) / kWarps), dim3(kThreads), 0, stream,
-                                   logits, x, w, n, k);
+  const dim3 grid((warps + kWarps - 1) / kWarps);
+  // one column: the decode step's instance; more: the smallest of 4, 8, 16 columns that holds
+  // them (each column's sums as in the one-column instance)
+  const cudaError_t e =
+      cols == 1  ? launch_pdl("gemv_fp16_kernel", gemv_fp16_kernel<kRows, kUnroll, 1>, grid,
+                              dim3(kThreads), 0, stream, logits, x, w, n, k, cols)
+      : cols <= 4 ? launch_pdl("gemv_fp16_kernel<4 columns>", gemv_fp16_kernel<kRows, kUnroll, 4>,
+                               grid, dim3(kThreads), 0, stream, logits, x, w, n, k, cols)
+      : cols <= 8 ? launch_pdl("gemv_fp16_kernel<8 columns>", gemv_fp16_kernel<kRows, kUnroll, 8>,
+                               grid, dim3(kThreads), 0, stream, logits, x, w, n, k, cols)
+                  : launch_pdl("gemv_fp16_kernel<16 columns>",
+                               gemv_fp16_kernel<kRows, kUnroll, 16>, grid, dim3(kThreads), 0,
+                               stream, logits, x, w, n, k, cols);
   if (e == cudaSuccess) return e;
-  return nq_fail(e, "gemv_fp16: n=%d k=%d: %s", n, k, last_error_message());
+  return nq_fail(e, "gemv_fp16: n=%d k=%d cols=%d: %s", n, k, cols, last_error_message());
 }
 
 }  // namespace nanoqwen

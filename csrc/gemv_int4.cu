@@ -57,6 +57,7 @@ struct Args {
   const half* bias;     // OP_STORE only, may be null
   int n;
   int k;
+  int nc;               // columns: x [nc, k], out [nc, n] (1: the decode GEMV)
 };
 
 __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
@@ -104,19 +105,63 @@ __device__ __forceinline__ float2 group_dot(const uint4& va, const uint4& vb,
   return make_float2(d0[0] + d1[0], d0[2] + d1[2]);
 }
 
+// group_dot for NT tiles of 8 columns (the verify step's k tokens): lane g supplies column
+// 8*nt + g of B, so D[row][c] is row's dot product with column c's x. Lane (g, t) gets rows g, g+8
+// of columns 8*nt + 2t, 2t+1: out[nt] = {(g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)}. Per column
+// the mma chain (words j = 0..3 into d0 / d1, then d0 + d1) is group_dot's, so each column's sum is
+// bit-identical to the one-column kernel's on the same x.
+template <int NT>
+__device__ __forceinline__ void group_dot_cols(const uint4& va, const uint4& vb,
+                                               const uint4 (&xv)[NT][4], float4 (&out)[NT]) {
+  const uint32_t kLo = 0x64006400u;
+  const half2 k1032 = as_h2(0x64086408u), k16 = as_h2(0x2C002C00u), k72 = as_h2(0xD480D480u);
+  auto lo = [&](uint32_t v) { return h2_bits(__hsub2(as_h2(v), k1032)); };
+  auto hi = [&](uint32_t v) { return h2_bits(__hfma2(as_h2(v), k16, k72)); };
+  float d0[NT][4], d1[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d0[nt][e] = d1[nt][e] = 0.f;
+  const uint32_t wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t a8 = wa[j] >> 8, b8 = wb[j] >> 8;
+    const uint32_t p0 = lo(lop3_and_or(wa[j], 0x000F000Fu, kLo));
+    const uint32_t p1 = lo(lop3_and_or(wb[j], 0x000F000Fu, kLo));
+    const uint32_t p2 = hi(lop3_and_or(wa[j], 0x00F000F0u, kLo));
+    const uint32_t p3 = hi(lop3_and_or(wb[j], 0x00F000F0u, kLo));
+    const uint32_t r0 = lo(lop3_and_or(a8, 0x000F000Fu, kLo));
+    const uint32_t r1 = lo(lop3_and_or(b8, 0x000F000Fu, kLo));
+    const uint32_t r2 = hi(lop3_and_or(a8, 0x00F000F0u, kLo));
+    const uint32_t r3 = hi(lop3_and_or(b8, 0x00F000F0u, kLo));
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      mma16816(d0[nt], p0, p1, p2, p3, xv[nt][j].x, xv[nt][j].y);
+      mma16816(d1[nt], r0, r1, r2, r3, xv[nt][j].z, xv[nt][j].w);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+    out[nt] = make_float4(d0[nt][0] + d1[nt][0], d0[nt][1] + d1[nt][1], d0[nt][2] + d1[nt][2],
+                          d0[nt][3] + d1[nt][3]);
+}
+
 // One output row from its fp32 sum(s): store (+bias, rounded to half), residual add (fp32), or
 // silu(gate) * up (rounded to half).
+// Column col of the output (out [nc, n]).
 template <int OP>
-__device__ __forceinline__ void emit_row(const Args& a, int row, const float (&v)[OP == OP_SILU ? 2 : 1]) {
+__device__ __forceinline__ void emit_row(const Args& a, int row, int col,
+                                         const float (&v)[OP == OP_SILU ? 2 : 1]) {
+  const size_t i = (size_t)col * a.n + row;
   if constexpr (OP == OP_STORE) {
     float y = v[0];
     if (a.bias) y += __half2float(a.bias[row]);
-    static_cast<half*>(a.out)[row] = __float2half_rn(y);
+    static_cast<half*>(a.out)[i] = __float2half_rn(y);
   } else if constexpr (OP == OP_RESID) {
-    static_cast<float*>(a.out)[row] += v[0];
+    static_cast<float*>(a.out)[i] += v[0];
   } else {
     const float g = v[0], u = v[1];
-    static_cast<half*>(a.out)[row] = __float2half_rn(g / (1.f + __expf(-g)) * u);
+    static_cast<half*>(a.out)[i] = __float2half_rn(g / (1.f + __expf(-g)) * u);
   }
 }
 
@@ -146,7 +191,41 @@ __device__ __forceinline__ void splitk_store(const Args& a, float* red, const fl
 #pragma unroll
         for (int w = 0; w < KS; ++w) v[m] += red[(w * NM + m) * 16 + tid];
       }
-      emit_row<OP>(a, row, v);
+      emit_row<OP>(a, row, 0, v);
+    }
+  }
+}
+
+// splitk_store for NT tiles of 8 columns: acc[m][nt] = lane (g, t)'s (g, 2t), (g, 2t+1),
+// (g+8, 2t), (g+8, 2t+1) of tile nt; `red` holds KS*NM*8*NT*16 floats ([warp][m][col][row]).
+// The sums over warps run in warp order, as splitk_store's. Every thread of the block calls it.
+template <int NM, int KS, int OP, int NT>
+__device__ __forceinline__ void splitk_store_cols(const Args& a, float* red,
+                                                  const float (&acc)[NM][NT][4], int s, int g,
+                                                  int t, int row0) {
+  constexpr int NCOL = 8 * NT;
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float* r = red + ((s * NM + m) * NCOL + nt * 8 + 2 * t + e) * 16;
+        r[g] = acc[m][nt][e];
+        r[g + 8] = acc[m][nt][2 + e];
+      }
+  __syncthreads();
+  for (int i = threadIdx.x; i < 16 * a.nc; i += KS * 32) {
+    const int rr = i & 15, col = i >> 4, row = row0 + rr;
+    if (row < a.n) {
+      float v[NM];
+#pragma unroll
+      for (int m = 0; m < NM; ++m) {
+        v[m] = 0.f;
+#pragma unroll
+        for (int w = 0; w < KS; ++w) v[m] += red[((w * NM + m) * NCOL + col) * 16 + rr];
+      }
+      emit_row<OP>(a, row, col, v);
     }
   }
 }
@@ -164,16 +243,27 @@ __device__ __forceinline__ int ring_swz(int col, int row) {
   return (GPS % 2 == 0) ? (col ^ ((row & 1) << 2)) : col;
 }
 
-// x [k*2 B] + red [KS*NM*16 floats] + scales [KS*ceil(G/KS)*NM*8 half2] + ring [KS*S*NM*16 rows
-// * GPS*64 B], in bytes (int64: a refused huge k must not overflow the check itself)
-constexpr long long tca_smem_bytes(long long k, int nm, int ks, int s, int gps) {
-  return k * 2 + ks * nm * 16 * 4 + ks * ((k / kGroup + ks - 1) / ks) * nm * 8 * 4 +
-         (long long)ks * s * nm * 16 * gps * 64;
+// x [k*2 B; none with column tiles, nt > 0: x is read from global memory] + red [KS*NM*16*max(1,
+// 8*nt) floats] + scales [KS*ceil(G/KS)*NM*8 half2] + ring [KS*S*NM*16 rows * GPS*64 B], in bytes
+// (int64: a refused huge k must not overflow the check itself)
+__host__ __device__ constexpr int ncol_of(int nt) { return nt == 0 ? 1 : 8 * nt; }
+// Column tiles with x staged (xs): nc columns of k/8 + 4 uint4 each (the 64-byte pad puts
+// columns g and g+1 on different banks); without: x read from global memory.
+__host__ __device__ constexpr long long x_stride_u4(long long k) { return k / 8 + 4; }
+constexpr long long tca_smem_bytes(long long k, int nm, int ks, int s, int gps, int nt, int nc = 1,
+                                   bool xs = false) {
+  return (nt == 0 ? k * 2 : (xs ? nc * x_stride_u4(k) * 16 : 0)) + ks * nm * 16 * ncol_of(nt) * 4 +
+         ks * ((k / kGroup + ks - 1) / ks) * nm * 8 * 4 + (long long)ks * s * nm * 16 * gps * 64;
 }
 
-template <int NM, int KS, int S, int GPS, int OP>
+// NT = 0: one column (the decode step), x staged in shared memory; NT = 1, 2: a.nc <= 8*NT
+// columns (the verify step), columns >= nc fed zeros, x staged in shared memory (XS, where
+// nc*k*2 bytes fit: qkv, o, gate/up) or read by each lane from global memory (down_proj's k).
+template <int NM, int KS, int S, int GPS, int OP, int NT, bool XS>
 __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca_kernel(const Args a) {
   static_assert(S >= 2 && (GPS == 1 || GPS == 2 || GPS == 4), "ring shape");
+  static_assert(NT >= 0 && NT <= 2, "column tiles");
+  constexpr int NCOL = ncol_of(NT);
   // shared memory: x [k/8 uint4] (per group [j][t] transposed); float red[KS][NM][16];
   // half2 scales[KS][ceil(G/KS)][NM][8]; ring[KS][S][NM][16 rows][GPS*4 chunks]
   extern __shared__ uint4 xs[];
@@ -186,8 +276,9 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
   const int row0 = blockIdx.x * 16;
   const int gb = s * G / KS, cnt = (s + 1) * G / KS - gb;
   const int maxcnt = (G + KS - 1) / KS;
-  float* red = reinterpret_cast<float*>(xs + (a.k >> 3));
-  half2* ss_all = reinterpret_cast<half2*>(red + KS * NM * 16);
+  const int xstr = (int)x_stride_u4(a.k);   // a staged column, in uint4
+  float* red = reinterpret_cast<float*>(xs + (NT == 0 ? (a.k >> 3) : XS ? a.nc * xstr : 0));
+  half2* ss_all = reinterpret_cast<half2*>(red + KS * NM * 16 * NCOL);
   half2* ss = ss_all + s * maxcnt * NM * 8;
   uint4* ring = reinterpret_cast<uint4*>(ss_all + KS * maxcnt * NM * 8) + s * S * SLOT;
   const int nst = (cnt + GPS - 1) / GPS;
@@ -227,18 +318,41 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
   }
   griddep_wait();  // PDL: x and the output only after the wait (common.cuh)
   griddep_launch_dependents();
-  {  // stage this warp's x: 16 pieces per group, piece p = 4t + j stored at 4j + t
+  if constexpr (NT == 0) {  // stage this warp's x: 16 pieces per group, piece p = 4t + j stored at 4j + t
     const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
     const int p = lane & 15;
     for (int i = lane >> 4; i < cnt; i += 2) {
       const int gi = gb + i;
       xs[gi * 16 + (p & 3) * 4 + (p >> 2)] = __ldg(x4 + gi * 16 + p);
     }
+  } else if constexpr (XS) {  // each column as above, at its padded stride
+    const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
+    const int p = lane & 15;
+    for (int c = 0; c < a.nc; ++c)
+      for (int i = lane >> 4; i < cnt; i += 2) {
+        const int gi = gb + i;
+        xs[c * xstr + gi * 16 + (p & 3) * 4 + (p >> 2)] = __ldg(x4 + (size_t)c * (a.k >> 3) + gi * 16 + p);
+      }
   }
+  // NT > 0: lane g's columns 8*nt + g (null: past nc, fed zeros); group gi's pieces 4t..4t+3,
+  // what the staged layout hands lane t
+  const uint4* xcol[NT > 0 ? NT : 1];
+#pragma unroll
+  for (int nt = 0; nt < (NT > 0 ? NT : 1); ++nt)
+    xcol[nt] = NT > 0 && nt * 8 + g < a.nc
+                   ? reinterpret_cast<const uint4*>(a.x) + (size_t)(nt * 8 + g) * (a.k >> 3) + 4 * t
+                   : nullptr;
 
   float acc[NM][2];
+  float accc[NM][NT > 0 ? NT : 1][4];
 #pragma unroll
-  for (int m = 0; m < NM; ++m) acc[m][0] = acc[m][1] = 0.f;
+  for (int m = 0; m < NM; ++m) {
+    acc[m][0] = acc[m][1] = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < (NT > 0 ? NT : 1); ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) accc[m][nt][e] = 0.f;
+  }
   for (int st = 0; st < nst; ++st) {
     cp_async_wait<S - 2>();  // this lane's copies of stage st have landed
     __syncwarp();            // ... and every lane's (x too); stage st-1's slot is no longer read
@@ -249,24 +363,53 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
       const int i = st * GPS + jj;
       if (i < cnt) {
         const int gi = gb + i;
-        uint4 xv[4];
+        if constexpr (NT == 0) {
+          uint4 xv[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) xv[j] = xs[gi * 16 + j * 4 + t];
+          for (int j = 0; j < 4; ++j) xv[j] = xs[gi * 16 + j * 4 + t];
 #pragma unroll
-        for (int m = 0; m < NM; ++m) {
-          const uint4& va = slot[(m * 16 + g) * RC + ring_swz<GPS>(4 * jj + t, g)];
-          const uint4& vb = slot[(m * 16 + g + 8) * RC + ring_swz<GPS>(4 * jj + t, g + 8)];
-          const float2 dd = group_dot(va, vb, xv);
-          const float2 sc2 = __half22float2(ss[(i * NM + m) * 8 + g]);
-          acc[m][0] = fmaf(sc2.x, dd.x, acc[m][0]);
-          acc[m][1] = fmaf(sc2.y, dd.y, acc[m][1]);
+          for (int m = 0; m < NM; ++m) {
+            const uint4& va = slot[(m * 16 + g) * RC + ring_swz<GPS>(4 * jj + t, g)];
+            const uint4& vb = slot[(m * 16 + g + 8) * RC + ring_swz<GPS>(4 * jj + t, g + 8)];
+            const float2 dd = group_dot(va, vb, xv);
+            const float2 sc2 = __half22float2(ss[(i * NM + m) * 8 + g]);
+            acc[m][0] = fmaf(sc2.x, dd.x, acc[m][0]);
+            acc[m][1] = fmaf(sc2.y, dd.y, acc[m][1]);
+          }
+        } else {
+          uint4 xv[NT][4];
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+              xv[nt][j] = !xcol[nt] ? make_uint4(0u, 0u, 0u, 0u)
+                          : XS ? xs[(nt * 8 + g) * xstr + gi * 16 + j * 4 + t]
+                               : __ldg(xcol[nt] + gi * 16 + j);
+#pragma unroll
+          for (int m = 0; m < NM; ++m) {
+            const uint4& va = slot[(m * 16 + g) * RC + ring_swz<GPS>(4 * jj + t, g)];
+            const uint4& vb = slot[(m * 16 + g + 8) * RC + ring_swz<GPS>(4 * jj + t, g + 8)];
+            float4 dd[NT];
+            group_dot_cols<NT>(va, vb, xv, dd);
+            const float2 sc2 = __half22float2(ss[(i * NM + m) * 8 + g]);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              accc[m][nt][0] = fmaf(sc2.x, dd[nt].x, accc[m][nt][0]);
+              accc[m][nt][1] = fmaf(sc2.x, dd[nt].y, accc[m][nt][1]);
+              accc[m][nt][2] = fmaf(sc2.y, dd[nt].z, accc[m][nt][2]);
+              accc[m][nt][3] = fmaf(sc2.y, dd[nt].w, accc[m][nt][3]);
+            }
+          }
         }
       }
     }
   }
   cp_async_wait<0>();  // only empty groups are left; drain anyway before the block exits
 
-  splitk_store<NM, KS, OP>(a, red, acc, s, g, t, row0);
+  if constexpr (NT == 0)
+    splitk_store<NM, KS, OP>(a, red, acc, s, g, t, row0);
+  else
+    splitk_store_cols<NM, KS, OP, NT>(a, red, accc, s, g, t, row0);
 }
 
 // ---- the one table: which instance each engine GEMV runs ------------------------------------
@@ -275,12 +418,14 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
 template <int OP, int KS, int S, int GPS>
 struct Tca {
   static constexpr int kOp = OP, kNm = OP == OP_SILU ? 2 : 1, kKs = KS, kStages = S, kGps = GPS;
+  template <int NT, bool XS>
   static cudaError_t launch(const Args& a, cudaStream_t stream) {
-    auto kern = gemv_int4_tca_kernel<kNm, KS, S, GPS, OP>;
+    auto kern = gemv_int4_tca_kernel<kNm, KS, S, GPS, OP, NT, XS>;
     static const cudaError_t attr = set_max_smem(kern, kTcaMaxSmemBytes);
     if (attr != cudaSuccess) return smem_refused(attr, "gemv_int4_tca_kernel", kTcaMaxSmemBytes);
-    return launch_pdl("gemv_int4_tca_kernel", kern, dim3((a.n + 15) / 16), dim3(KS * 32),
-                      (size_t)tca_smem_bytes(a.k, kNm, KS, S, GPS), stream, a);
+    return launch_pdl(NT == 0 ? "gemv_int4_tca_kernel" : "gemv_int4_tca_kernel (columns)", kern,
+                      dim3((a.n + 15) / 16), dim3(KS * 32),
+                      (size_t)tca_smem_bytes(a.k, kNm, KS, S, GPS, NT, a.nc, XS), stream, a);
   }
 };
 
@@ -289,14 +434,22 @@ struct Int4Instance {
   int max_k;         // serves k <= max_k (an op's rows ascend in max_k, the last has kAnyK)
   const char* use;   // the engine GEMV it serves (for messages)
   int nm, ks, stages, gps;
-  cudaError_t (*launch)(const Args&, cudaStream_t);
+  // by column tiles: [0] one column (decode), [1] 2..8 columns, [2] 9..16 (the verify step),
+  // x from global memory; [3], [4]: the same with x staged (where it fits)
+  cudaError_t (*launch[5])(const Args&, cudaStream_t);
 };
+
+constexpr int kMaxCols = kMaxGemvCols;
+static_assert(kMaxCols <= 16, "two tiles of 8 columns at most");
 
 constexpr int kAnyK = INT_MAX;
 
 template <class T>
 constexpr Int4Instance instance(int max_k, const char* use) {
-  return {T::kOp, max_k, use, T::kNm, T::kKs, T::kStages, T::kGps, &T::launch};
+  return {T::kOp, max_k, use, T::kNm, T::kKs, T::kStages, T::kGps,
+          {&T::template launch<0, false>, &T::template launch<1, false>,
+           &T::template launch<2, false>, &T::template launch<1, true>,
+           &T::template launch<2, true>}};
 }
 
 // Chosen from GEMV_NOTES.md runs 7-8 (H200, graph of back-to-back PDL launches, 7B shapes): the
@@ -339,7 +492,10 @@ static_assert(pick(OP_RESID, 3584).ks == 4 && pick(OP_RESID, 18944).ks == 8, "o 
 bool misaligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) != 0; }
 
 cudaError_t check_int4(const char* fn, const void* out, const half* x, const uint32_t* qw,
-                       const half* sc, int n, int k) {
+                       const half* sc, int n, int k, int cols) {
+  if (cols < 1 || cols > kMaxCols)
+    return nq_fail(cudaErrorInvalidValue, "%s: cols=%d must be 1..%d (n=%d, k=%d)", fn, cols,
+                   kMaxCols, n, k);
   if (!out || !x || !qw || !sc)
     return nq_fail(cudaErrorInvalidValue, "%s: null pointer (out=%p x=%p qweight=%p scales=%p)",
                    fn, out, (const void*)x, (const void*)qw, (const void*)sc);
@@ -362,16 +518,19 @@ cudaError_t run_int4(const char* fn, int op, const Args& a, cudaStream_t stream)
                    "%s: n=%d k=%d has %lld 16-byte weight chunks per matrix, beyond the int "
                    "offsets of its kernel (%s instance tca K%d S%d G%d); no other kernel exists",
                    fn, a.n, a.k, chunks, r.use, r.ks, r.stages, r.gps);
-  const long long smem = tca_smem_bytes(a.k, r.nm, r.ks, r.stages, r.gps);
+  const int nt = a.nc <= 1 ? 0 : (a.nc + 7) / 8;
+  const bool staged = nt > 0 && tca_smem_bytes(a.k, r.nm, r.ks, r.stages, r.gps, nt, a.nc, true) <=
+                                    kTcaMaxSmemBytes;
+  const long long smem = tca_smem_bytes(a.k, r.nm, r.ks, r.stages, r.gps, nt, a.nc, staged);
   if (smem > kTcaMaxSmemBytes)
     return nq_fail(cudaErrorInvalidValue,
                    "%s: n=%d k=%d needs %lld bytes of shared memory per block in its kernel (%s "
                    "instance tca K%d S%d G%d), the limit is %d; no other kernel exists",
                    fn, a.n, a.k, smem, r.use, r.ks, r.stages, r.gps, kTcaMaxSmemBytes);
-  const cudaError_t e = r.launch(a, stream);
+  const cudaError_t e = r.launch[staged ? nt + 2 : nt](a, stream);
   if (e == cudaSuccess) return e;
-  return nq_fail(e, "%s: n=%d k=%d (%s instance tca K%d S%d G%d): %s", fn, a.n, a.k, r.use, r.ks,
-                 r.stages, r.gps, last_error_message());
+  return nq_fail(e, "%s: n=%d k=%d cols=%d (%s instance tca K%d S%d G%d): %s", fn, a.n, a.k, a.nc,
+                 r.use, r.ks, r.stages, r.gps, last_error_message());
 }
 
 // One thread per 16-byte chunk: 32 outputs, written as four 16-byte stores.
@@ -405,29 +564,31 @@ __global__ void __launch_bounds__(256) dequant_int4_kernel(half* w, const uint4*
 }  // namespace
 
 cudaError_t gemv_int4(half* y, const half* x, const uint32_t* qweight, const half* scales,
-                      const half* bias, int n, int k, cudaStream_t stream) {
-  if (cudaError_t e = check_int4("gemv_int4", y, x, qweight, scales, n, k)) return e;
-  return run_int4("gemv_int4", OP_STORE, Args{y, x, qweight, scales, nullptr, nullptr, bias, n, k},
-                  stream);
+                      const half* bias, int n, int k, int cols, cudaStream_t stream) {
+  if (cudaError_t e = check_int4("gemv_int4", y, x, qweight, scales, n, k, cols)) return e;
+  return run_int4("gemv_int4", OP_STORE,
+                  Args{y, x, qweight, scales, nullptr, nullptr, bias, n, k, cols}, stream);
 }
 
 cudaError_t gemv_int4_residual(float* hidden, const half* x, const uint32_t* qweight,
-                               const half* scales, int n, int k, cudaStream_t stream) {
-  if (cudaError_t e = check_int4("gemv_int4_residual", hidden, x, qweight, scales, n, k)) return e;
+                               const half* scales, int n, int k, int cols, cudaStream_t stream) {
+  if (cudaError_t e = check_int4("gemv_int4_residual", hidden, x, qweight, scales, n, k, cols))
+    return e;
   return run_int4("gemv_int4_residual", OP_RESID,
-                  Args{hidden, x, qweight, scales, nullptr, nullptr, nullptr, n, k}, stream);
+                  Args{hidden, x, qweight, scales, nullptr, nullptr, nullptr, n, k, cols}, stream);
 }
 
 cudaError_t gemv_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate,
                                const half* sc_gate, const uint32_t* qw_up, const half* sc_up,
-                               int n, int k, cudaStream_t stream) {
-  if (cudaError_t e = check_int4("gemv_int4_silu_mul", out, x, qw_gate, sc_gate, n, k)) return e;
+                               int n, int k, int cols, cudaStream_t stream) {
+  if (cudaError_t e = check_int4("gemv_int4_silu_mul", out, x, qw_gate, sc_gate, n, k, cols))
+    return e;
   if (!qw_up || !sc_up || misaligned16(qw_up))
     return nq_fail(cudaErrorInvalidValue,
                    "gemv_int4_silu_mul: up matrix qweight=%p (16-byte aligned) and scales=%p must "
                    "be non-null", (const void*)qw_up, (const void*)sc_up);
   return run_int4("gemv_int4_silu_mul", OP_SILU,
-                  Args{out, x, qw_gate, sc_gate, qw_up, sc_up, nullptr, n, k}, stream);
+                  Args{out, x, qw_gate, sc_gate, qw_up, sc_up, nullptr, n, k, cols}, stream);
 }
 
 cudaError_t dequant_int4(half* w, const uint32_t* qweight, const half* scales, int n, int k,

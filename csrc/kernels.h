@@ -115,6 +115,20 @@ cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* co
                              int n_heads, int n_kv, int head_dim, int num_splits, int min_pps,
                              float scale, cudaStream_t stream);
 
+// The speculative verify step's attention: T (1..kMaxVerifyQueries) queries at positions
+// pos[0] .. pos[0] + T - 1, whose K/V the cache already holds (rope_kv_write, launched just
+// before). qkv [T, q + 2kv]; out [T, n_heads, head_dim]; ws_acc / ws_ml / counters T times
+// attention_decode's (query i uses slice i; counters zero before, left zero). Query i's output
+// is bit-identical to attention_decode's at position pos[0] + i with the same cache: the same
+// RoPE of q, splits and order (tests/gpu checks it). Writes no cache.
+constexpr int kMaxVerifyQueries = 16;
+cudaError_t attention_decode_cached(half* out, float* ws_acc, float* ws_ml, int32_t* counters,
+                                    const half* qkv, const half* k_cache, const half* v_cache,
+                                    const float* cos_table, const float* sin_table,
+                                    const int32_t* page_table, int table_len, const int32_t* pos,
+                                    int T, int n_heads, int n_kv, int head_dim, int num_splits,
+                                    int min_pps, float scale, cudaStream_t stream);
+
 // GPU sampler (docs/INTERFACES.md order): repetition penalty over the distinct ids among the
 // last repeat_last_n context ids (ctx_tokens[0..pos]) -> greedy argmax (lowest id on ties) ->
 // top-k -> top-p -> min-p -> temperature -> one draw from Philox4x32-10(seed, counter).

@@ -79,32 +79,37 @@ def sampler_tensors(params, seed: int, device) -> tuple[torch.Tensor, torch.Tens
             torch.tensor(pi, dtype=torch.int64).to(device))
 
 
+def _out_shape(x: torch.Tensor, n: int) -> tuple[int, ...]:
+    """A GEMV's output shape: [N] for x [K], [cols, N] for x [cols, K] (cols <= 16)."""
+    return (n,) if x.dim() == 1 else (x.shape[0], n)
+
+
 def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x fp16 [K] -> y fp16 [N] = W x + bias."""
-    y = torch.empty(qweight.shape[0], dtype=torch.float16, device=x.device)
+    """x fp16 [K] (or [cols, K]) -> y fp16 [N] (or [cols, N]) = W x + bias."""
+    y = torch.empty(_out_shape(x, qweight.shape[0]), dtype=torch.float16, device=x.device)
     _ops().gemv_int4(y, x, qweight, scales, bias)
     return y
 
 
 def gemv_int4_residual_(hidden: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor,
                         scales: torch.Tensor) -> torch.Tensor:
-    """hidden fp32 [N] += W x (in place); returns hidden."""
+    """hidden fp32 [N] (or [cols, N]) += W x (in place); returns hidden."""
     _ops().gemv_int4_residual(hidden, x, qweight, scales)
     return hidden
 
 
 def gemv_int4_silu_mul(x: torch.Tensor, qw_gate: torch.Tensor, sc_gate: torch.Tensor,
                        qw_up: torch.Tensor, sc_up: torch.Tensor) -> torch.Tensor:
-    """x fp16 [K] -> fp16 [N] = silu(Wg x) * (Wu x)."""
-    out = torch.empty(qw_gate.shape[0], dtype=torch.float16, device=x.device)
+    """x fp16 [K] (or [cols, K]) -> fp16 [N] (or [cols, N]) = silu(Wg x) * (Wu x)."""
+    out = torch.empty(_out_shape(x, qw_gate.shape[0]), dtype=torch.float16, device=x.device)
     _ops().gemv_int4_silu_mul(out, x, qw_gate, sc_gate, qw_up, sc_up)
     return out
 
 
 def gemv_fp16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x fp16 [K], w fp16 [N, K] -> fp32 [N]."""
-    out = torch.empty(w.shape[0], dtype=torch.float32, device=x.device)
+    """x fp16 [K] (or [cols, K]), w fp16 [N, K] -> fp32 [N] (or [cols, N])."""
+    out = torch.empty(_out_shape(x, w.shape[0]), dtype=torch.float32, device=x.device)
     _ops().gemv_fp16(out, x, w)
     return out
 

@@ -202,7 +202,7 @@ class EngineService:
         """Speculative decoding for the next turns: None (off) or one of the backend's
         spec_modes ("ngram": prompt lookup; "draft": the model file `draft`, loaded on the
         same backend, drafts; engine/spec.py). Raises ValueError naming what the backend has
-        (the CUDA engine has no k-token verify step yet: none), NanoqwenError for a draft
+        (both backends verify both), NanoqwenError for a draft
         file that cannot be loaded or whose tokenizer is not the model's."""
         if spec == "draft" and draft is not None:
             self._open_draft(Path(draft))

@@ -257,7 +257,7 @@ def test_spec_refused_where_it_is_not_built(engine):
 
     with pytest.raises(ValueError, match="'medusa' is not available on the reference backend"):
         engine.backend.spec = "medusa"
-    assert CudaBackend.spec_modes == ()   # no k-token verify step on the GPU yet (issue 13)
+    assert CudaBackend.spec_modes == ("ngram", "draft")   # its verify step: tests/gpu/test_verify.py
 
 
 def test_cli_generate_spec_stats(capsys):

@@ -251,26 +251,40 @@ class Backend:
         if not drafts:
             logits = self.forward([last])
             return [sampler.sample(logits, self.kv_tokens)], (time.perf_counter() - t0) * 1e3, 0
-        rows = self.forward_all([last] + drafts)     # [1 + k, V]; the cache holds them all
+        # greedy without a penalty needs only each row's argmax (Sampler.verify's greedy rule:
+        # the argmax, kept iff it is the draft), which a backend may find where the logits are
+        greedy = sampler.params.greedy and sampler.params.repeat_penalty == 1.0
+        if greedy:
+            picks = self.forward_all_argmax([last] + drafts)   # the cache holds them all
+        else:
+            rows = self.forward_all([last] + drafts)     # [1 + k, V]; the cache holds them all
         history = self.kv_tokens[:n0 + 1]            # what plain decoding would have cached
         emitted: list[int] = []
         kept = 0
         try:
             for i, d in enumerate(drafts):
-                token, ok = sampler.verify(rows[i], history, d)
+                token, ok = (picks[i], picks[i] == d) if greedy else \
+                    sampler.verify(rows[i], history, d)
                 emitted.append(token)
                 if ok:
                     kept += 1
                     history.append(token)
                 if not ok or token in stop_ids:
                     break
-            else:
-                emitted.append(sampler.sample(rows[len(drafts)], history))  # every draft kept
+            else:   # every draft kept
+                emitted.append(picks[len(drafts)] if greedy
+                               else sampler.sample(rows[len(drafts)], history))
         except BaseException:
             self.truncate(n0 + 1)                    # `last` is forwarded, nothing after it
             raise
         self.truncate(n0 + len(emitted))             # last + emitted[:-1] (= accepted drafts)
         return emitted, (time.perf_counter() - t0) * 1e3, kept
+
+    def forward_all_argmax(self, tokens: Sequence[int]) -> list[int]:
+        """forward_all(tokens), then each row's argmax (lowest id on ties): the greedy pick
+        after every token. A backend whose logits live elsewhere overrides it to bring back
+        the ids alone."""
+        return [int(torch.argmax(row)) for row in self.forward_all(tokens)]
 
     def prepare_generate(self, new_tokens: Sequence[int], params, max_new_tokens: int
                          ) -> list[int]:

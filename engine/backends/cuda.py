@@ -35,6 +35,7 @@ from ..errors import NanoqwenError
 from ..kv_cache import KVCache
 from ..rope import rope_tables
 from ..service import MODES
+from ..spec import K_MAX, SPEC_MODES
 from ..switches import read_switches
 from ..synthetic import SyntheticWeights
 from .base import Backend, ModelFileTensors, StepEvent
@@ -48,6 +49,8 @@ RUN_AHEAD = {"graph": 128, "eager": 48}
 MAX_STOP_IDS = 8       # csrc/engine.h kMaxStops
 COLLECT_TIMEOUT_MS = 100.0  # longest wait inside the core before Python re-checks cancel
 PREFILL_CHUNK = 2048   # prompt tokens per prefill chunk (bounds activation memory)
+MAX_VERIFY = 16        # csrc/engine.h kMaxVerify: tokens of one verify step (forward_all)
+assert K_MAX + 1 <= MAX_VERIFY, "a speculation step verifies the last token and K_MAX drafts"
 
 
 @dataclass
@@ -85,6 +88,9 @@ def _gib(n: int) -> str:
 class CudaBackend(Backend):
     name = "cuda"
     modes = MODES
+    # speculation verifies its drafts with the engine's verify step (forward_all): up to
+    # MAX_VERIFY tokens in one pass over the weights, each row's logits as a decode step's
+    spec_modes = SPEC_MODES
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, torch.Tensor],
                  max_context: int | None = None, mode: str = "graph",
@@ -408,6 +414,41 @@ class CudaBackend(Backend):
             self.cache.length = pos + len(tokens)
         return logits.clone()  # a normal tensor, not an inference-mode one
 
+    def forward_all(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append `tokens` (at most MAX_VERIFY); fp32 logits [T, V] of every one (CPU). The
+        engine's verify step: each row is what a decode step at that position computes, bit
+        for bit (csrc/engine.h launch_verify)."""
+        tokens = self._checked_verify(tokens)
+        return self._append(tokens, lambda t, pos: self._verify(t, pos, lambda x: x.cpu()))
+
+    def forward_all_argmax(self, tokens: Sequence[int]) -> list[int]:
+        """forward_all's rows' argmax (lowest id on ties), found on the device: T ids come
+        back instead of T x V logits."""
+        tokens = self._checked_verify(tokens)
+        return self._append(tokens,
+                            lambda t, pos: self._verify(t, pos, lambda x: x.argmax(1).tolist()))
+
+    def _checked_verify(self, tokens: Sequence[int]) -> list[int]:
+        tokens = self._checked(tokens)
+        if len(tokens) > MAX_VERIFY:
+            raise ValueError(f"forward_all takes at most {MAX_VERIFY} tokens on the CUDA engine "
+                             f"(its verify step), got {len(tokens)}")
+        return tokens
+
+    def _verify(self, tokens: list[int], pos: int, read: Callable[[torch.Tensor], object]):
+        """The verify step at pos: K/V of tokens into the cache; returns read(the device
+        logits [T, V]), run on the engine's stream (the buffer is the engine's: read, not
+        kept)."""
+        with self._lock, torch.cuda.device(self.device), torch.cuda.stream(self.stream), \
+                torch.inference_mode():
+            self._gen_id += 1  # any suspended generate() no longer owns the cache
+            self.core.begin_turn([])  # waits for (and stops) a suspended turn's queued steps
+            self.cache.rollback(pos)
+            self._reserve(pos + len(tokens))
+            out = read(self.core.verify(torch.tensor(tokens, dtype=torch.int32), pos))
+            self.cache.length = pos + len(tokens)
+        return out.clone() if isinstance(out, torch.Tensor) else out  # not an inference tensor
+
     def forward_logits_gpu(self) -> torch.Tensor:
         """The device logits buffer of the last forward (tests)."""
         return self.logits
@@ -427,7 +468,11 @@ class CudaBackend(Backend):
                         cancel: threading.Event | None = None,
                         window_s: float = 0.03) -> Iterator[list[StepEvent]]:
         """See Backend.generate_chunks: the first id alone as soon as it lands, then every id
-        that landed in each window_s, read from the pinned ring in one C++ wait (no GIL)."""
+        that landed in each window_s, read from the pinned ring in one C++ wait (no GIL).
+        With speculation on, Backend's loop: drafts verified by the verify step."""
+        if self._spec is not None:
+            return Backend.generate_chunks(self, new_tokens, params, max_new_tokens, stop_ids,
+                                           cancel, window_s)
         new_tokens = self.prepare_generate(new_tokens, params, max_new_tokens)
         return self._chunks_gpu(new_tokens, params, max_new_tokens, frozenset(stop_ids), cancel,
                                 window_s, None)

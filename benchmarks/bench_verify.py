@@ -1,0 +1,135 @@
+"""t(k): the CUDA engine's verify step (csrc/engine.h launch_verify) at a model's shapes, against
+its decode step (issue 13 item 3).
+
+    python benchmarks/bench_verify.py [--preset 7b] [--context 512] [--reps 30]
+                                      [--acceptance BENCH_SPEC_JSON] [--json FILE]
+
+Synthetic random weights made on the GPU (CudaBackend.synthetic); the context is filled by a
+prefill, so attention reads a real cache. For T = 1..16 tokens, the verify step at position
+`context` (CUDA events on the engine's stream around one core.verify call, which enqueues
+every launch from C++: the verify step has no CUDA graph yet, so these are eager launches),
+median of --reps; the decode step at the same position, graph and eager (core.run_step).
+Ratios are against the graph decode step.
+
+With --acceptance (a bench_spec.py JSON, greedy, prompt lookup): the effective ms per
+generated token at these shapes if each request drafted and kept as measured there. Per
+request: `verify_steps` steps of T = 1 + round(drafted / verify_steps) tokens at t(T), the
+remaining tokens after the first at one graph decode step each, divided by the tokens after
+the first. Two approximations, both stated in the output: the draft length varies step by
+step (the mean stands for it), and the acceptance is the bundled model's (random weights at
+7B shapes accept nothing real).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def main(argv=None) -> int:
+    from nanoqwen.engine.backends.cuda import MAX_VERIFY, CudaBackend
+    from nanoqwen.engine.bench import _commit
+    from nanoqwen.engine.config import ModelConfig
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="7b")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--acceptance", default=None, help="a bench_spec.py --json file")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    cfg = ModelConfig.from_name(a.preset)
+    be = CudaBackend.synthetic(cfg, max_context=a.context + 64)
+    be.forward(list(range(1, a.context + 1)))   # K/V of positions 0..context-1
+    core, stream = be.core, be.stream
+    gen = torch.Generator().manual_seed(0)
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(a.reps + 3):   # 3 warm-up runs
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            fn()
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times[3:])
+
+    with torch.cuda.device(be.device), torch.cuda.stream(stream), torch.inference_mode():
+        be._reserve(a.context + MAX_VERIFY)
+
+        def decode(graph: bool) -> float:
+            times = []
+            for _ in range(a.reps + 3):
+                be.pos.fill_(a.context)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                core.run_step(graph)
+                end.record(stream)
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            return statistics.median(times[3:])
+
+        t_graph, t_eager = decode(True), decode(False)
+        rows = []
+        for T in range(1, MAX_VERIFY + 1):
+            ids = torch.randint(0, cfg.vocab_size, (T,), generator=gen, dtype=torch.int32)
+            t = timed(lambda: core.verify(ids, a.context))
+            rows.append(dict(k=T, ms=t, vs_decode_graph=t / t_graph, vs_decode_eager=t / t_eager,
+                             ms_per_token=t / T))
+    print(f"{cfg.name} context {a.context}: decode step graph {t_graph:.3f} ms, eager "
+          f"{t_eager:.3f} ms ({torch.cuda.get_device_name(be.device)})")
+    print(" k   verify ms   / graph step   / eager step   ms per token")
+    for r in rows:
+        print(f"{r['k']:2d}   {r['ms']:8.3f}   {r['vs_decode_graph']:11.3f}   "
+              f"{r['vs_decode_eager']:11.3f}   {r['ms_per_token']:10.3f}")
+    out = dict(bench="bench_verify", preset=cfg.name, context=a.context, reps=a.reps,
+               device=torch.cuda.get_device_name(be.device), commit=_commit(),
+               date=time.strftime("%Y-%m-%d"), decode_graph_ms=t_graph, decode_eager_ms=t_eager,
+               verify_mode="eager (launch_verify from C++, no graph)", rows=rows)
+    if a.acceptance:
+        spec = json.load(open(a.acceptance))
+        t_of = {r["k"]: r["ms"] for r in rows}
+        est = []
+        for r in spec["rows"]:
+            n_after = r["n_generated"] - 1
+            if n_after <= 0:
+                continue
+            v = r["verify_steps"]
+            k = min(MAX_VERIFY, 1 + round(r["drafted"] / v)) if v else 1
+            from_verify = r["accepted"] + v   # each verify step emits its kept drafts + 1
+            ms = v * t_of[k] + max(0, n_after - from_verify) * t_graph
+            est.append(dict(kind=r["kind"], request=r["request"], n_after_first=n_after,
+                            verify_steps=v, mean_k=k, accepted=r["accepted"],
+                            est_ms_per_token=ms / n_after))
+        summary = {}
+        for kind in ("edit", "new"):
+            xs = [e["est_ms_per_token"] for e in est if e["kind"] == kind]
+            if xs:
+                summary[kind] = dict(requests=len(xs), median_est_ms_per_token=statistics.median(xs),
+                                     plain_ms_per_token=t_graph,
+                                     speedup=t_graph / statistics.median(xs))
+                print(f"{kind}: estimated {statistics.median(xs):.3f} ms per generated token at "
+                      f"{cfg.name} shapes (plain decode {t_graph:.3f}; x"
+                      f"{t_graph / statistics.median(xs):.2f}) from {len(xs)} requests of "
+                      f"{spec.get('model', '?')} on {spec.get('backend', '?')}")
+        out["estimate"] = dict(
+            acceptance_from=a.acceptance, method="per request: verify_steps x t(1 + round(drafted "
+            "/ verify_steps)) + the other tokens after the first x the graph decode step, over "
+            "the tokens after the first; acceptance of the bundled model (real text), t(k) at "
+            "these shapes (random weights)", summary=summary, rows=est)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The verify step and speculation on the GPU in one device call (issue 13): install, build, the
+# verify tests first (tests/gpu/test_verify.py), then (FULL=1) all of tests/gpu; t(k) at 7B
+# shapes (bench_verify.py) with the acceptance bench_spec.py measures on the CUDA engine with
+# the bundled model; (BENCH=1) the 7B decode bench, which must not move. Logs under $OUT.
+#   NANOQWEN_COMMIT=<git rev-parse --short HEAD> FULL=1 BENCH=1 bash benchmarks/verify_spec_gpu.sh
+# (carry .whl: the app tests' textual wheels)
+set -o pipefail
+export PYTHONUNBUFFERED=1 MAX_JOBS=16
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+S=$(date +%s)
+t() { echo "[$(( $(date +%s) - S ))s] == $*"; }
+C=${NANOQWEN_COMMIT:-unknown}
+{
+source benchmarks/device_setup.sh
+t "tests/gpu/test_verify.py"; timeout 200 python3 -m pytest tests/gpu/test_verify.py -q -x --tb=short -p no:cacheprovider 2>&1 | tail -30
+if [ "${FULL:-0}" = 1 ]; then
+t "tests/gpu"; timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -30
+fi
+t "bench_spec (cuda, bundled model)"; timeout 200 python3 benchmarks/bench_spec.py --backend cuda --reps ${SPEC_REPS:-3} --json "$OUT/bench_spec_cuda_$C.json" 2>&1 | tail -20
+t "bench_verify 7b"; (cd benchmarks && timeout 150 python3 bench_verify.py --preset 7b --acceptance "$OUT/bench_spec_cuda_$C.json" --json "$OUT/bench_verify_7b_$C.json" 2>&1 | tail -30)
+if [ "${BENCH:-0}" = 1 ]; then
+t "bench 7b"; timeout 100 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph,eager --json > "$OUT/bench_7b_$C.json" && tail -c 400 "$OUT/bench_7b_$C.json"; echo
+fi
+t "done"
+} 2>&1 | tee "$OUT/verify_spec_$C.log"

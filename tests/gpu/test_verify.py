@@ -1,0 +1,246 @@
+"""The CUDA engine's verify step (csrc/engine.h launch_verify; issue 13 item 3) and speculation
+on it, end to end.
+
+What must hold is exactness, so the comparisons are bit for bit (torch.equal), not within a
+tolerance:
+  * every GEMV with `cols` columns (x [cols, k]) gives, column by column, exactly the one-column
+    call on that row of x (gemv.h: the same products, sums and order per column);
+  * forward_all (the verify step: T tokens in one pass over the weights) gives, row by row,
+    exactly the logits the decode step computes when the same tokens are forwarded one at a
+    time -- across page boundaries, at 7B shapes too -- and leaves the cache as they would;
+  * greedy speculation on the CUDA engine is the plain greedy reply, token for token, with
+    drafts kept (the bundled model is trained: code edits repeat their input), and the cache
+    invariant of docs/INTERFACES.md holds at every suspension, after a stop and a cancel.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import helpers
+from nanoqwen.engine.config import PRESETS, ModelConfig
+from nanoqwen.engine.sampling import SamplerParams
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+GREEDY = SamplerParams.greedy_params()
+SEVEN_B_2L = ModelConfig(name="7b-shapes-2-layers", **{**PRESETS["7b"], "num_hidden_layers": 2})
+COLS = [2, 3, 8, 9, 13, 16]
+
+
+def ops():
+    return torch.ops.nanoqwen
+
+
+def rand_int4(n, k, gen):
+    from nanoqwen.engine import quant
+
+    codes = torch.randint(1, 16, (n, k), generator=gen)
+    scales = (torch.rand(n, k // 128, generator=gen) * 0.02 + 0.001).half()
+    return quant.pack_codes(codes).cuda(), scales.cuda()
+
+
+# qkv, o, gate/up and down of the 7B; a partial row tile and one group (n=3, k=256); the 0.5B's
+# hidden with a ragged n
+SHAPES = [(4608, 3584), (3584, 3584), (18944, 3584), (3584, 18944), (3, 256), (643, 896)]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("cols", COLS)
+def test_int4_columns_are_one_column_calls(n, k, cols):
+    gen = torch.Generator().manual_seed(n * 31 + k + cols)
+    qw, sc = rand_int4(n, k, gen)
+    qu, su = rand_int4(n, k, gen)
+    x = (torch.randn(cols, k, generator=gen) * 2).half().cuda()
+    bias = torch.randn(n, generator=gen).half().cuda()
+    y = torch.full((cols, n), float("nan"), dtype=torch.float16, device="cuda")
+    ops().gemv_int4(y, x, qw, sc, bias)
+    h0 = (torch.randn(cols, n, generator=gen) * 3).cuda()
+    h = h0.clone()
+    ops().gemv_int4_residual(h, x, qw, sc)
+    o = torch.full((cols, n), float("nan"), dtype=torch.float16, device="cuda")
+    ops().gemv_int4_silu_mul(o, x, qw, sc, qu, su)
+    for c in range(cols):
+        y1 = torch.empty(n, dtype=torch.float16, device="cuda")
+        ops().gemv_int4(y1, x[c], qw, sc, bias)
+        assert torch.equal(y[c], y1), ("gemv_int4", c)
+        h1 = h0[c].clone()
+        ops().gemv_int4_residual(h1, x[c], qw, sc)
+        assert torch.equal(h[c], h1), ("gemv_int4_residual", c)
+        o1 = torch.empty(n, dtype=torch.float16, device="cuda")
+        ops().gemv_int4_silu_mul(o1, x[c], qw, sc, qu, su)
+        assert torch.equal(o[c], o1), ("gemv_int4_silu_mul", c)
+
+
+@pytest.mark.parametrize("cols", COLS)
+def test_fp16_columns_are_one_column_calls(cols):
+    gen = torch.Generator().manual_seed(cols)
+    n, k = 152064 // 8 + 5, 3584   # a slice of the 7B lm_head, ragged n
+    w = (torch.randn(n, k, generator=gen) * 0.02).half().cuda()
+    x = torch.randn(cols, k, generator=gen).half().cuda()
+    out = torch.full((cols, n), float("nan"), device="cuda")
+    ops().gemv_fp16(out, x, w)
+    for c in range(cols):
+        o1 = torch.empty(n, device="cuda")
+        ops().gemv_fp16(o1, x[c], w)
+        assert torch.equal(out[c], o1), c
+
+
+def test_column_counts_are_checked():
+    dev = "cuda"
+    qw = torch.zeros(8, 32, dtype=torch.int32, device=dev)   # k = 256
+    sc = torch.ones(8, 2, dtype=torch.float16, device=dev)
+    x = torch.zeros(17, 256, dtype=torch.float16, device=dev)
+    with pytest.raises(RuntimeError, match="x has 17 columns, expected 1..16"):
+        ops().gemv_int4(torch.empty(17, 8, dtype=torch.float16, device=dev), x, qw, sc, None)
+    with pytest.raises(RuntimeError, match="y has 8 elements, expected cols\\*n=16"):
+        ops().gemv_int4(torch.empty(8, dtype=torch.float16, device=dev), x[:2], qw, sc, None)
+    with pytest.raises(RuntimeError, match=r"x is \[2, 255\], expected \[k\] or \[cols, k\]"):
+        ops().gemv_fp16(torch.empty(2, 8, device=dev), x[:2, :255].contiguous(),
+                        torch.zeros(8, 256, dtype=torch.float16, device=dev))
+
+
+# --- the verify step -----------------------------------------------------------------------------
+def make_cuda(cfg, max_context=512, seed=0):
+    from nanoqwen.engine.backends.cuda import CudaBackend
+
+    return CudaBackend(cfg, helpers.file_tensors(cfg, helpers.random_weights(cfg, seed=seed)),
+                       max_context=max_context)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_cuda(helpers.TINY_UNTIED)
+
+
+@pytest.fixture(scope="module")
+def seven_b():
+    return make_cuda(SEVEN_B_2L, max_context=1024)
+
+
+def decode_rows(be, prefix, tokens):
+    """Logits of `tokens` forwarded one decode step at a time after `prefix`."""
+    be.truncate(0)
+    be.forward(prefix)
+    return torch.stack([be.forward([t]) for t in tokens])
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+@pytest.mark.parametrize("n_prefix,T", [(15, 2), (16, 8), (17, 16), (49, 3), (30, 1 + 12)])
+def test_verify_rows_are_decode_steps(tiny, mode, n_prefix, T):
+    be = tiny
+    be.mode = mode
+    gen = torch.Generator().manual_seed(n_prefix * 100 + T)
+    ids = torch.randint(0, be.config.vocab_size, (n_prefix + T,), generator=gen).tolist()
+    want = decode_rows(be, ids[:n_prefix], ids[n_prefix:])
+    be.truncate(0)
+    be.forward(ids[:n_prefix])
+    got = be.forward_all(ids[n_prefix:])
+    assert got.shape == want.shape
+    assert torch.equal(got, want)
+    assert be.kv_tokens == ids and be.cache.length == len(ids)
+    # the K/V it wrote are the decode steps' too: the next token's logits agree
+    nxt = be.forward([ids[0]])
+    be.truncate(0)
+    be.forward(ids[:n_prefix])
+    for t in ids[n_prefix:]:
+        be.forward([t])
+    assert torch.equal(nxt, be.forward([ids[0]]))
+    be.mode = "graph"
+
+
+@pytest.mark.parametrize("n_prefix,T", [(40, 8), (511, 13)])
+def test_verify_rows_are_decode_steps_7b_shapes(seven_b, n_prefix, T):
+    be = seven_b
+    gen = torch.Generator().manual_seed(T)
+    ids = torch.randint(0, be.config.vocab_size, (n_prefix + T,), generator=gen).tolist()
+    want = decode_rows(be, ids[:n_prefix], ids[n_prefix:])
+    be.truncate(0)
+    be.forward(ids[:n_prefix])
+    assert torch.equal(be.forward_all(ids[n_prefix:]), want)
+    be.truncate(n_prefix)
+    assert be.forward_all_argmax(ids[n_prefix:]) == want.argmax(1).tolist()
+    assert be.kv_tokens == ids
+
+
+def test_verify_refuses_what_it_cannot_run(tiny):
+    be = tiny
+    be.truncate(0)
+    be.forward([1, 2, 3])
+    with pytest.raises(ValueError, match="at most 16 tokens on the CUDA engine"):
+        be.forward_all(list(range(17)))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        be.forward_all([1, be.config.vocab_size])
+    assert be.kv_tokens == [1, 2, 3]   # nothing was appended
+    small = make_cuda(helpers.TINY_UNTIED, max_context=20)
+    small.forward(list(range(15)))
+    from nanoqwen.engine.errors import ContextFullError
+    with pytest.raises(ContextFullError):
+        small.forward_all(list(range(6)))
+    assert small.kv_tokens == list(range(15))
+
+
+# --- speculation on the CUDA engine (the bundled model: real acceptance) ---------------------------
+@pytest.fixture(scope="module")
+def bundled():
+    from test_spec import MODEL
+
+    from nanoqwen.engine.loader import load
+
+    if not MODEL.is_file():
+        pytest.skip("the bundled model is absent")
+    eng = load(MODEL, backend="cuda")
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_greedy_speculation_is_plain_greedy(bundled, which, mode):
+    from test_spec import PROMPTS, prompt_ids, same_as_plain
+
+    be = bundled.backend
+    be.mode = mode
+    ids = prompt_ids(bundled, PROMPTS[which])
+    same_as_plain(be, ids, 160, "ngram", bundled.tokenizer.stop_ids)
+    st = be.spec_stats
+    assert st["verify_steps"] > 0 and 0 <= st["accepted"] <= st["drafted"]
+    if which != 2:
+        assert st["accepted"] > 0, st   # a code edit repeats its input: drafts are kept
+    be.mode = "graph"
+
+
+def test_speculation_stop_cancel_and_sampling_keep_the_cache_exact(bundled):
+    from test_spec import PROMPTS, invariant, prompt_ids, run
+
+    be = bundled.backend
+    ids = prompt_ids(bundled, PROMPTS[0])
+    plain = run(be, ids, GREEDY, 160, None)
+    counts: dict[int, int] = {}
+    for t in plain:
+        counts[t] = counts.get(t, 0) + 1
+    stop = next(t for t in plain[20:] if counts[t] >= 3)
+    out = run(be, ids, GREEDY, 160, "ngram", frozenset({stop}), check=invariant(be, ids))
+    assert out == plain[:plain.index(stop) + 1]
+    assert be.kv_tokens == ids + out[:-1]
+    cancel = threading.Event()
+    be.truncate(0)
+    be.spec = "ngram"
+    try:
+        got: list[int] = []
+        for chunk in be.generate_chunks(ids, GREEDY, 160, frozenset(), cancel, 0.0):
+            got += [e.token_id for e in chunk]
+            if len(got) >= 10:
+                cancel.set()
+        assert 10 <= len(got) < 40 and got == plain[:len(got)]
+        assert be.kv_tokens == ids + got[:-1]
+    finally:
+        be.spec = None
+    params = SamplerParams(temperature=0.8, seed=5, repeat_penalty=1.1)
+    out = run(be, ids, params, 120, "ngram", bundled.tokenizer.stop_ids,
+              check=invariant(be, ids))
+    assert 1 <= len(out) <= 120 and be.spec_stats["verify_steps"] > 0
