@@ -6,10 +6,9 @@ its decode step (issue 13 item 3).
 
 Synthetic random weights made on the GPU (CudaBackend.synthetic); the context is filled by a
 prefill, so attention reads a real cache. For T = 1..16 tokens, the verify step at position
-`context` (CUDA events on the engine's stream around one core.verify call, which enqueues
-every launch from C++: the verify step has no CUDA graph yet, so these are eager launches),
-median of --reps; the decode step at the same position, graph and eager (core.run_step).
-Ratios are against the graph decode step.
+`context` (CUDA events on the engine's stream around one core.verify call),
+median of --reps, graph mode (a graph per k) and eager; the decode step at the same position,
+graph and eager (core.run_step). Ratios are against the decode step of the same mode.
 
 With --acceptance (a bench_spec.py JSON, greedy, prompt lookup): the effective ms per
 generated token at these shapes if each request drafted and kept as measured there. Per
@@ -29,6 +28,45 @@ import sys
 import time
 
 import torch
+
+
+COLS = (1, 2, 4, 8, 9, 13, 16)
+
+
+def gemv_columns(be, cfg, stream) -> list[dict]:
+    """Each GEMV of the step alone at `cols` columns: us per launch, median of 5 runs of 20."""
+    o = torch.ops.nanoqwen
+    L = be.layers[0]
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    q = cfg.num_attention_heads * cfg.head_dim
+    qn = L.qkv_qw.shape[0]
+    rows = []
+    for c in COLS:
+        xh = torch.randn(c, H, device=be.device).half()
+        xq = torch.randn(c, q, device=be.device).half()
+        xi = torch.randn(c, I, device=be.device).half()
+        y = torch.empty(c, qn, dtype=torch.float16, device=be.device)
+        hid = torch.zeros(c, H, device=be.device)
+        act = torch.empty(c, I, dtype=torch.float16, device=be.device)
+        lg = torch.empty(c, cfg.vocab_size, device=be.device)
+        cases = [("qkv", lambda: o.gemv_int4(y, xh, L.qkv_qw, L.qkv_sc, L.qkv_b)),
+                 ("o", lambda: o.gemv_int4_residual(hid, xq, L.o_qw, L.o_sc)),
+                 ("gate/up", lambda: o.gemv_int4_silu_mul(act, xh, L.gate_qw, L.gate_sc,
+                                                          L.up_qw, L.up_sc)),
+                 ("down", lambda: o.gemv_int4_residual(hid, xi, L.down_qw, L.down_sc)),
+                 ("lm_head", lambda: o.gemv_fp16(lg, xh, be.lm_head))]
+        for name, fn in cases:
+            ts = []
+            for _ in range(6):
+                s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s0.record(stream)
+                for _ in range(20):
+                    fn()
+                s1.record(stream)
+                s1.synchronize()
+                ts.append(s0.elapsed_time(s1) * 1e3 / 20)
+            rows.append(dict(op=name, cols=c, us=statistics.median(ts[1:])))
+    return rows
 
 
 def main(argv=None) -> int:
@@ -81,19 +119,30 @@ def main(argv=None) -> int:
         rows = []
         for T in range(1, MAX_VERIFY + 1):
             ids = torch.randint(0, cfg.vocab_size, (T,), generator=gen, dtype=torch.int32)
-            t = timed(lambda: core.verify(ids, a.context))
-            rows.append(dict(k=T, ms=t, vs_decode_graph=t / t_graph, vs_decode_eager=t / t_eager,
-                             ms_per_token=t / T))
+            t = timed(lambda: core.verify(ids, a.context, True))
+            te = timed(lambda: core.verify(ids, a.context, False))
+            rows.append(dict(k=T, ms=t, vs_decode_graph=t / t_graph, eager_ms=te,
+                             eager_vs_decode_eager=te / t_eager, ms_per_token=t / T))
+        note = core.verify_note()
+        ops_rows = gemv_columns(be, cfg, stream)
     print(f"{cfg.name} context {a.context}: decode step graph {t_graph:.3f} ms, eager "
           f"{t_eager:.3f} ms ({torch.cuda.get_device_name(be.device)})")
-    print(" k   verify ms   / graph step   / eager step   ms per token")
+    if note:
+        print(f"verify graphs refused, eager figures only: {note}")
+    print(" k   graph ms   / graph step   ms per token   eager ms   / eager step")
     for r in rows:
         print(f"{r['k']:2d}   {r['ms']:8.3f}   {r['vs_decode_graph']:11.3f}   "
-              f"{r['vs_decode_eager']:11.3f}   {r['ms_per_token']:10.3f}")
+              f"{r['ms_per_token']:11.3f}   {r['eager_ms']:8.3f}   {r['eager_vs_decode_eager']:9.3f}")
+    print("GEMV us per launch by columns (layer 0's weights; 20 back-to-back launches):")
+    print("op            " + "".join(f"{c:>9d}" for c in COLS))
+    for name in dict.fromkeys(r["op"] for r in ops_rows):
+        print(f"{name:13s} " + "".join(f"{r['us']:9.2f}" for r in ops_rows if r["op"] == name))
     out = dict(bench="bench_verify", preset=cfg.name, context=a.context, reps=a.reps,
                device=torch.cuda.get_device_name(be.device), commit=_commit(),
                date=time.strftime("%Y-%m-%d"), decode_graph_ms=t_graph, decode_eager_ms=t_eager,
-               verify_mode="eager (launch_verify from C++, no graph)", rows=rows)
+               verify_mode="graph (one per k; eager_ms: the same launches from C++)",
+               verify_graph_note=note, rows=rows,
+               gemv_columns=ops_rows)
     if a.acceptance:
         spec = json.load(open(a.acceptance))
         t_of = {r["k"]: r["ms"] for r in rows}

@@ -862,7 +862,9 @@ class Engine : public torch::CustomClassHolder {
   // kMaxVerify) at positions pos0.. into the cache as T decode steps would write them; returns
   // the device logits of all of them, [T, V] fp32 (a view of the engine's buffer, valid until
   // the next verify; read it on the engine's stream). The page table must cover pos0 + T.
-  Tensor verify(const Tensor& ids, int64_t pos0) {
+  // graph: replay the verify graph of T tokens (captured at its first use; eager when the
+  // capture is refused, said once by verify_note()); otherwise the same launches, eager.
+  Tensor verify(const Tensor& ids, int64_t pos0, bool graph) {
     const int64_t T = check_ids("verify", ids, pos0);
     NQ_CHECK(T <= nanoqwen::kMaxVerify, "verify: ", T, " tokens, at most ", nanoqwen::kMaxVerify);
     if (v_.empty()) alloc_verify();   // GIL held: allocates through ATen
@@ -877,8 +879,25 @@ class Engine : public torch::CustomClassHolder {
     check_cuda(cudaMemcpyAsync(vargs_.pos, &pos32, sizeof(int32_t), cudaMemcpyHostToDevice,
                                stream_),
                "verify: cudaMemcpyAsync of the position to the device");
-    check_engine(nanoqwen::launch_verify(a_, vargs_, (int)T, stream_), "verify step");
+    if (graph && !vexec_[T] && !vgraph_refused_) {
+      if (nanoqwen::capture_verify(a_, vargs_, (int)T, stream_, &vexec_[T]) != cudaSuccess) {
+        vgraph_refused_ = true;   // eager from now on; the reason kept for verify_note()
+        vnote_ = nanoqwen::take_last_error();
+        (void)cudaGetLastError();
+      }
+    }
+    if (graph && vexec_[T])
+      check_cuda(cudaGraphLaunch(vexec_[T], stream_),
+                 "verify: cudaGraphLaunch of the verify graph (T=" + std::to_string(T) + ")");
+    else
+      check_engine(nanoqwen::launch_verify(a_, vargs_, (int)T, stream_), "verify step");
     return v_[6].narrow(0, 0, T);
+  }
+  std::string verify_note() { return vnote_; }
+
+  ~Engine() {
+    for (cudaGraphExec_t& x : vexec_)
+      if (x) cudaGraphExecDestroy(x);
   }
 
   // Start the launcher thread for steps 1..n_steps (engine.h).
@@ -1002,6 +1021,9 @@ class Engine : public torch::CustomClassHolder {
 
   std::vector<Tensor> g_, l_, d_, v_;
   nanoqwen::VerifyArgs vargs_;
+  cudaGraphExec_t vexec_[nanoqwen::kMaxVerify + 1] = {};   // by T
+  bool vgraph_refused_ = false;
+  std::string vnote_;
   bool resident_ = false;
   int64_t chunk_ = 2048;
   c10::Device device_{c10::kCUDA, 0};
@@ -1025,6 +1047,7 @@ TORCH_LIBRARY(nanoqwen, m) {
       .def("start_turn", &nanoqwen_ops::Engine::start_turn)
       .def("prefill", &nanoqwen_ops::Engine::prefill)
       .def("verify", &nanoqwen_ops::Engine::verify)
+      .def("verify_note", &nanoqwen_ops::Engine::verify_note)
       .def("start", &nanoqwen_ops::Engine::start)
       .def("set_graph", &nanoqwen_ops::Engine::set_graph)
       .def("cancel", &nanoqwen_ops::Engine::cancel)

@@ -166,6 +166,29 @@ cudaError_t launch_verify(const StepArgs& a, const VerifyArgs& v, int T, cudaStr
   return cudaSuccess;
 }
 
+cudaError_t capture_verify(const StepArgs& a, const VerifyArgs& v, int T, cudaStream_t s,
+                           cudaGraphExec_t* out) {
+  *out = nullptr;
+  cudaError_t e = cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed);
+  if (e != cudaSuccess) return record(e, "capture_verify: cudaStreamBeginCapture (T=%d)", T);
+  const cudaError_t le = launch_verify(a, v, T, s);
+  const std::string msg = take_last_error();
+  cudaGraph_t g = nullptr;
+  e = cudaStreamEndCapture(s, &g);
+  if (le != cudaSuccess) {
+    if (g) cudaGraphDestroy(g);
+    return nq_fail(le, "capture_verify (T=%d): %s", T, msg.c_str());
+  }
+  if (e != cudaSuccess) return record(e, "capture_verify: cudaStreamEndCapture (T=%d)", T);
+  e = cudaGraphInstantiate(out, g, 0);
+  cudaGraphDestroy(g);
+  if (e != cudaSuccess) {
+    *out = nullptr;
+    return record(e, "capture_verify: cudaGraphInstantiate (T=%d)", T);
+  }
+  return cudaSuccess;
+}
+
 // ---- DecodeLoop ---------------------------------------------------------------------------------
 
 DecodeLoop::DecodeLoop(StepArgs* a, cudaStream_t stream, int device)

@@ -134,6 +134,10 @@ cudaError_t launch_step(const StepArgs& a, cudaStream_t stream);
 // sampling, no ring, no advance: the caller reads the logits. The page table must cover the
 // positions. Safe to capture.
 cudaError_t launch_verify(const StepArgs& a, const VerifyArgs& v, int T, cudaStream_t stream);
+// launch_verify(T) captured into *out (graph mode's verify step: v.ids and v.pos are read when it
+// runs, so one graph per T serves every verify of T tokens). *out is null on failure.
+cudaError_t capture_verify(const StepArgs& a, const VerifyArgs& v, int T, cudaStream_t stream,
+                           cudaGraphExec_t* out);
 
 // Writes the GPU's globaltimer (ns) into *out (host mapped) when the stream reaches it.
 cudaError_t stamp_time(uint64_t* out, cudaStream_t stream);

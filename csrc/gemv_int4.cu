@@ -247,19 +247,22 @@ __device__ __forceinline__ int ring_swz(int col, int row) {
 // 8*nt) floats] + scales [KS*ceil(G/KS)*NM*8 half2] + ring [KS*S*NM*16 rows * GPS*64 B], in bytes
 // (int64: a refused huge k must not overflow the check itself)
 __host__ __device__ constexpr int ncol_of(int nt) { return nt == 0 ? 1 : 8 * nt; }
-// Column tiles with x staged (xs): nc columns of k/8 + 4 uint4 each (the 64-byte pad puts
-// columns g and g+1 on different banks); without: x read from global memory.
-__host__ __device__ constexpr long long x_stride_u4(long long k) { return k / 8 + 4; }
-constexpr long long tca_smem_bytes(long long k, int nm, int ks, int s, int gps, int nt, int nc = 1,
-                                   bool xs = false) {
-  return (nt == 0 ? k * 2 : (xs ? nc * x_stride_u4(k) * 16 : 0)) + ks * nm * 16 * ncol_of(nt) * 4 +
-         ks * ((k / kGroup + ks - 1) / ks) * nm * 8 * 4 + (long long)ks * s * nm * 16 * gps * 64;
+// xr: column tiles with x copied into a ring beside the weights' (S stages of GPS groups x NCOL
+// columns x 256 bytes a warp); without: x read from global memory in the loop.
+constexpr long long tca_smem_bytes(long long k, int nm, int ks, int s, int gps, int nt,
+                                   bool xr = false) {
+  return (nt == 0 ? k * 2 : 0) + ks * nm * 16 * ncol_of(nt) * 4 +
+         ks * ((k / kGroup + ks - 1) / ks) * nm * 8 * 4 + (long long)ks * s * nm * 16 * gps * 64 +
+         (xr ? (long long)ks * s * gps * ncol_of(nt) * 256 : 0);
 }
 
 // NT = 0: one column (the decode step), x staged in shared memory; NT = 1, 2: a.nc <= 8*NT
-// columns (the verify step), columns >= nc fed zeros, x staged in shared memory (XS, where
-// nc*k*2 bytes fit: qkv, o, gate/up) or read by each lane from global memory (down_proj's k).
-template <int NM, int KS, int S, int GPS, int OP, int NT, bool XS>
+// columns (the verify step), columns >= nc fed zeros. A block's x is then nc*k*2 bytes, too much
+// to stage whole for down_proj (and staging it whole where it fits measured slower: RESULTS.md,
+// session 15): with XR each stage's x (GPS groups x 8*NT columns) travels by cp.async in a ring
+// beside the weights', S-1 stages ahead; without (where that ring does not fit), each lane reads
+// its column's x from global memory in the loop.
+template <int NM, int KS, int S, int GPS, int OP, int NT, bool XR>
 __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca_kernel(const Args a) {
   static_assert(S >= 2 && (GPS == 1 || GPS == 2 || GPS == 4), "ring shape");
   static_assert(NT >= 0 && NT <= 2, "column tiles");
@@ -276,11 +279,15 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
   const int row0 = blockIdx.x * 16;
   const int gb = s * G / KS, cnt = (s + 1) * G / KS - gb;
   const int maxcnt = (G + KS - 1) / KS;
-  const int xstr = (int)x_stride_u4(a.k);   // a staged column, in uint4
-  float* red = reinterpret_cast<float*>(xs + (NT == 0 ? (a.k >> 3) : XS ? a.nc * xstr : 0));
+  float* red = reinterpret_cast<float*>(xs + (NT == 0 ? (a.k >> 3) : 0));
   half2* ss_all = reinterpret_cast<half2*>(red + KS * NM * 16 * NCOL);
   half2* ss = ss_all + s * maxcnt * NM * 8;
   uint4* ring = reinterpret_cast<uint4*>(ss_all + KS * maxcnt * NM * 8) + s * S * SLOT;
+  // XR: this warp's x ring, [S][GPS][NCOL columns][16 pieces], piece p = 4t + j of a group at
+  // unit (4j + t) ^ 4*(column & 1): lanes g, g+1 of one 8-lane phase read other banks
+  constexpr int XSLOT = GPS * NCOL * 16;  // uint4 per stage
+  uint4* xring = reinterpret_cast<uint4*>(ss_all + KS * maxcnt * NM * 8) + KS * S * SLOT +
+                 s * S * XSLOT;
   const int nst = (cnt + GPS - 1) / GPS;
 
   // this lane's copies: chunk c = lane + 32 i of a stage is row c / RC, column c % RC; offsets in
@@ -294,7 +301,21 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
     soff[i] = r * RC + ring_swz<GPS>(col, r);
     gcol[i] = col / 4;
   }
-  auto issue = [&](int st) {
+  auto issue_x = [&](int st) {  // XR: stage st's x (after griddep_wait only)
+    if (st < nst) {
+      uint4* dst = xring + (st % S) * XSLOT;
+      const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
+#pragma unroll
+      for (int i = 0; i < XSLOT / 32; ++i) {
+        const int e = lane + 32 * i, jj = e / (NCOL * 16), col = (e >> 4) % NCOL, p = e & 15;
+        const int il = st * GPS + jj;
+        if (il < cnt && col < a.nc)
+          cp_async16(dst + (jj * NCOL + col) * 16 + ((((p & 3) << 2) | (p >> 2)) ^ ((col & 1) << 2)),
+                     x4 + (size_t)col * (a.k >> 3) + (gb + il) * 16 + p);
+      }
+    }
+  };
+  auto issue = [&](int st, bool with_x) {
     if (st < nst) {
       uint4* dst = ring + (st % S) * SLOT;
 #pragma unroll
@@ -305,10 +326,11 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
           if (st * GPS + gcol[i] < cnt) cp_async16(dst + m * 16 * RC + soff[i], src + goff[i]);
       }
     }
+    if (XR && with_x) issue_x(st);
     cp_async_commit();  // always: keeps the group count uniform for wait_group below
   };
 #pragma unroll
-  for (int st = 0; st < S - 1; ++st) issue(st);
+  for (int st = 0; st < S - 1; ++st) issue(st, false);  // weights only: before griddep_wait
   // scales, as half2 (row g, row g+8) per (group, matrix, g): weights, so before the wait (PDL)
   for (int e = lane; e < cnt * NM * 8; e += 32) {
     const int i = e / (NM * 8), m = (e / 8) % NM, gg = e % 8;
@@ -325,17 +347,16 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
       const int gi = gb + i;
       xs[gi * 16 + (p & 3) * 4 + (p >> 2)] = __ldg(x4 + gi * 16 + p);
     }
-  } else if constexpr (XS) {  // each column as above, at its padded stride
-    const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
-    const int p = lane & 15;
-    for (int c = 0; c < a.nc; ++c)
-      for (int i = lane >> 4; i < cnt; i += 2) {
-        const int gi = gb + i;
-        xs[c * xstr + gi * 16 + (p & 3) * 4 + (p >> 2)] = __ldg(x4 + (size_t)c * (a.k >> 3) + gi * 16 + p);
-      }
   }
-  // NT > 0: lane g's columns 8*nt + g (null: past nc, fed zeros); group gi's pieces 4t..4t+3,
-  // what the staged layout hands lane t
+  if constexpr (XR) {  // the first S-1 stages' x, one more group, waited for here: the loop's
+#pragma unroll           // wait_group<S-2> then still covers stage st (it lands in group st+1)
+    for (int st = 0; st < S - 1; ++st) issue_x(st);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncwarp();
+  }
+  // NT > 0 without XR: lane g's columns 8*nt + g (null: past nc, fed zeros); group gi's pieces
+  // 4t..4t+3, what the staged layout hands lane t
   const uint4* xcol[NT > 0 ? NT : 1];
 #pragma unroll
   for (int nt = 0; nt < (NT > 0 ? NT : 1); ++nt)
@@ -356,8 +377,9 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
   for (int st = 0; st < nst; ++st) {
     cp_async_wait<S - 2>();  // this lane's copies of stage st have landed
     __syncwarp();            // ... and every lane's (x too); stage st-1's slot is no longer read
-    issue(st + S - 1);
+    issue(st + S - 1, true);
     const uint4* slot = ring + (st % S) * SLOT;
+    const uint4* slot_x = xring + (st % S) * XSLOT;
 #pragma unroll
     for (int jj = 0; jj < GPS; ++jj) {
       const int i = st * GPS + jj;
@@ -382,8 +404,8 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
           for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int j = 0; j < 4; ++j)
-              xv[nt][j] = !xcol[nt] ? make_uint4(0u, 0u, 0u, 0u)
-                          : XS ? xs[(nt * 8 + g) * xstr + gi * 16 + j * 4 + t]
+              xv[nt][j] = !xcol[nt] ? make_uint4(0u, 0u, 0u, 0u)   // a column past nc
+                          : XR ? slot_x[(jj * NCOL + nt * 8 + g) * 16 + (((j << 2) | t) ^ ((g & 1) << 2))]
                                : __ldg(xcol[nt] + gi * 16 + j);
 #pragma unroll
           for (int m = 0; m < NM; ++m) {
@@ -418,14 +440,14 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
 template <int OP, int KS, int S, int GPS>
 struct Tca {
   static constexpr int kOp = OP, kNm = OP == OP_SILU ? 2 : 1, kKs = KS, kStages = S, kGps = GPS;
-  template <int NT, bool XS>
+  template <int NT, bool XR>
   static cudaError_t launch(const Args& a, cudaStream_t stream) {
-    auto kern = gemv_int4_tca_kernel<kNm, KS, S, GPS, OP, NT, XS>;
+    auto kern = gemv_int4_tca_kernel<kNm, KS, S, GPS, OP, NT, XR>;
     static const cudaError_t attr = set_max_smem(kern, kTcaMaxSmemBytes);
     if (attr != cudaSuccess) return smem_refused(attr, "gemv_int4_tca_kernel", kTcaMaxSmemBytes);
     return launch_pdl(NT == 0 ? "gemv_int4_tca_kernel" : "gemv_int4_tca_kernel (columns)", kern,
                       dim3((a.n + 15) / 16), dim3(KS * 32),
-                      (size_t)tca_smem_bytes(a.k, kNm, KS, S, GPS, NT, a.nc, XS), stream, a);
+                      (size_t)tca_smem_bytes(a.k, kNm, KS, S, GPS, NT, XR), stream, a);
   }
 };
 
@@ -434,8 +456,8 @@ struct Int4Instance {
   int max_k;         // serves k <= max_k (an op's rows ascend in max_k, the last has kAnyK)
   const char* use;   // the engine GEMV it serves (for messages)
   int nm, ks, stages, gps;
-  // by column tiles: [0] one column (decode), [1] 2..8 columns, [2] 9..16 (the verify step),
-  // x from global memory; [3], [4]: the same with x staged (where it fits)
+  // by column tiles: [0] one column (decode), [1] 2..8 columns, [2] 9..16 (the verify step)
+  // with x read from global memory; [3], [4]: the same with x in the ring (where it fits)
   cudaError_t (*launch[5])(const Args&, cudaStream_t);
 };
 
@@ -519,15 +541,15 @@ cudaError_t run_int4(const char* fn, int op, const Args& a, cudaStream_t stream)
                    "offsets of its kernel (%s instance tca K%d S%d G%d); no other kernel exists",
                    fn, a.n, a.k, chunks, r.use, r.ks, r.stages, r.gps);
   const int nt = a.nc <= 1 ? 0 : (a.nc + 7) / 8;
-  const bool staged = nt > 0 && tca_smem_bytes(a.k, r.nm, r.ks, r.stages, r.gps, nt, a.nc, true) <=
-                                    kTcaMaxSmemBytes;
-  const long long smem = tca_smem_bytes(a.k, r.nm, r.ks, r.stages, r.gps, nt, a.nc, staged);
+  const bool xr =
+      nt > 0 && tca_smem_bytes(a.k, r.nm, r.ks, r.stages, r.gps, nt, true) <= kTcaMaxSmemBytes;
+  const long long smem = tca_smem_bytes(a.k, r.nm, r.ks, r.stages, r.gps, nt, xr);
   if (smem > kTcaMaxSmemBytes)
     return nq_fail(cudaErrorInvalidValue,
                    "%s: n=%d k=%d needs %lld bytes of shared memory per block in its kernel (%s "
                    "instance tca K%d S%d G%d), the limit is %d; no other kernel exists",
                    fn, a.n, a.k, smem, r.use, r.ks, r.stages, r.gps, kTcaMaxSmemBytes);
-  const cudaError_t e = r.launch[staged ? nt + 2 : nt](a, stream);
+  const cudaError_t e = r.launch[xr ? nt + 2 : nt](a, stream);
   if (e == cudaSuccess) return e;
   return nq_fail(e, "%s: n=%d k=%d cols=%d (%s instance tca K%d S%d G%d): %s", fn, a.n, a.k, a.nc,
                  r.use, r.ks, r.stages, r.gps, last_error_message());

@@ -438,14 +438,17 @@ class CudaBackend(Backend):
     def _verify(self, tokens: list[int], pos: int, read: Callable[[torch.Tensor], object]):
         """The verify step at pos: K/V of tokens into the cache; returns read(the device
         logits [T, V]), run on the engine's stream (the buffer is the engine's: read, not
-        kept)."""
+        kept). Graph mode replays a graph of the verify step per token count (captured at its
+        first use), eager mode launches it: as the decode step, eager vs graph is launch
+        overhead and nothing else (the same kernels, bit for bit)."""
         with self._lock, torch.cuda.device(self.device), torch.cuda.stream(self.stream), \
                 torch.inference_mode():
             self._gen_id += 1  # any suspended generate() no longer owns the cache
             self.core.begin_turn([])  # waits for (and stops) a suspended turn's queued steps
             self.cache.rollback(pos)
             self._reserve(pos + len(tokens))
-            out = read(self.core.verify(torch.tensor(tokens, dtype=torch.int32), pos))
+            out = read(self.core.verify(torch.tensor(tokens, dtype=torch.int32), pos,
+                                        self._mode == "graph"))
             self.cache.length = pos + len(tokens)
         return out.clone() if isinstance(out, torch.Tensor) else out  # not an inference tensor
 
