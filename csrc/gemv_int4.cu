@@ -247,22 +247,19 @@ __device__ __forceinline__ int ring_swz(int col, int row) {
 // 8*nt) floats] + scales [KS*ceil(G/KS)*NM*8 half2] + ring [KS*S*NM*16 rows * GPS*64 B], in bytes
 // (int64: a refused huge k must not overflow the check itself)
 __host__ __device__ constexpr int ncol_of(int nt) { return nt == 0 ? 1 : 8 * nt; }
-// xr: column tiles with x copied into a ring beside the weights' (S stages of GPS groups x NCOL
-// columns x 256 bytes a warp); without: x read from global memory in the loop.
-constexpr long long tca_smem_bytes(long long k, int nm, int ks, int s, int gps, int nt,
-                                   bool xr = false) {
+constexpr long long tca_smem_bytes(long long k, int nm, int ks, int s, int gps, int nt) {
   return (nt == 0 ? k * 2 : 0) + ks * nm * 16 * ncol_of(nt) * 4 +
-         ks * ((k / kGroup + ks - 1) / ks) * nm * 8 * 4 + (long long)ks * s * nm * 16 * gps * 64 +
-         (xr ? (long long)ks * s * gps * ncol_of(nt) * 256 : 0);
+         ks * ((k / kGroup + ks - 1) / ks) * nm * 8 * 4 + (long long)ks * s * nm * 16 * gps * 64;
 }
 
 // NT = 0: one column (the decode step), x staged in shared memory; NT = 1, 2: a.nc <= 8*NT
-// columns (the verify step), columns >= nc fed zeros. A block's x is then nc*k*2 bytes, too much
-// to stage whole for down_proj (and staging it whole where it fits measured slower: RESULTS.md,
-// session 15): with XR each stage's x (GPS groups x 8*NT columns) travels by cp.async in a ring
-// beside the weights', S-1 stages ahead; without (where that ring does not fit), each lane reads
-// its column's x from global memory in the loop.
-template <int NM, int KS, int S, int GPS, int OP, int NT, bool XR>
+// columns (the verify step), columns >= nc fed zeros, each lane reading its column's x from
+// global memory (L1/L2). A block's x is then nc*k*2 bytes, too much to stage for down_proj;
+// staging it whole where it fits, or copying it by cp.async in a ring beside the weights',
+// measured slower (their shared memory costs the blocks per SM these kernels live on:
+// RESULTS.md, session 15). With one tile (NT = 1) a stage's x for all GPS groups is loaded
+// at the stage's start, so its latency is paid once a stage.
+template <int NM, int KS, int S, int GPS, int OP, int NT>
 __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca_kernel(const Args a) {
   static_assert(S >= 2 && (GPS == 1 || GPS == 2 || GPS == 4), "ring shape");
   static_assert(NT >= 0 && NT <= 2, "column tiles");
@@ -283,11 +280,6 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
   half2* ss_all = reinterpret_cast<half2*>(red + KS * NM * 16 * NCOL);
   half2* ss = ss_all + s * maxcnt * NM * 8;
   uint4* ring = reinterpret_cast<uint4*>(ss_all + KS * maxcnt * NM * 8) + s * S * SLOT;
-  // XR: this warp's x ring, [S][GPS][NCOL columns][16 pieces], piece p = 4t + j of a group at
-  // unit (4j + t) ^ 4*(column & 1): lanes g, g+1 of one 8-lane phase read other banks
-  constexpr int XSLOT = GPS * NCOL * 16;  // uint4 per stage
-  uint4* xring = reinterpret_cast<uint4*>(ss_all + KS * maxcnt * NM * 8) + KS * S * SLOT +
-                 s * S * XSLOT;
   const int nst = (cnt + GPS - 1) / GPS;
 
   // this lane's copies: chunk c = lane + 32 i of a stage is row c / RC, column c % RC; offsets in
@@ -301,21 +293,7 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
     soff[i] = r * RC + ring_swz<GPS>(col, r);
     gcol[i] = col / 4;
   }
-  auto issue_x = [&](int st) {  // XR: stage st's x (after griddep_wait only)
-    if (st < nst) {
-      uint4* dst = xring + (st % S) * XSLOT;
-      const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
-#pragma unroll
-      for (int i = 0; i < XSLOT / 32; ++i) {
-        const int e = lane + 32 * i, jj = e / (NCOL * 16), col = (e >> 4) % NCOL, p = e & 15;
-        const int il = st * GPS + jj;
-        if (il < cnt && col < a.nc)
-          cp_async16(dst + (jj * NCOL + col) * 16 + ((((p & 3) << 2) | (p >> 2)) ^ ((col & 1) << 2)),
-                     x4 + (size_t)col * (a.k >> 3) + (gb + il) * 16 + p);
-      }
-    }
-  };
-  auto issue = [&](int st, bool with_x) {
+  auto issue = [&](int st) {
     if (st < nst) {
       uint4* dst = ring + (st % S) * SLOT;
 #pragma unroll
@@ -326,11 +304,10 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
           if (st * GPS + gcol[i] < cnt) cp_async16(dst + m * 16 * RC + soff[i], src + goff[i]);
       }
     }
-    if (XR && with_x) issue_x(st);
     cp_async_commit();  // always: keeps the group count uniform for wait_group below
   };
 #pragma unroll
-  for (int st = 0; st < S - 1; ++st) issue(st, false);  // weights only: before griddep_wait
+  for (int st = 0; st < S - 1; ++st) issue(st);
   // scales, as half2 (row g, row g+8) per (group, matrix, g): weights, so before the wait (PDL)
   for (int e = lane; e < cnt * NM * 8; e += 32) {
     const int i = e / (NM * 8), m = (e / 8) % NM, gg = e % 8;
@@ -348,15 +325,8 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
       xs[gi * 16 + (p & 3) * 4 + (p >> 2)] = __ldg(x4 + gi * 16 + p);
     }
   }
-  if constexpr (XR) {  // the first S-1 stages' x, one more group, waited for here: the loop's
-#pragma unroll           // wait_group<S-2> then still covers stage st (it lands in group st+1)
-    for (int st = 0; st < S - 1; ++st) issue_x(st);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncwarp();
-  }
-  // NT > 0 without XR: lane g's columns 8*nt + g (null: past nc, fed zeros); group gi's pieces
-  // 4t..4t+3, what the staged layout hands lane t
+  // NT > 0: lane g's columns 8*nt + g (null: past nc, fed zeros); group gi's pieces 4t..4t+3,
+  // what the staged layout hands lane t
   const uint4* xcol[NT > 0 ? NT : 1];
 #pragma unroll
   for (int nt = 0; nt < (NT > 0 ? NT : 1); ++nt)
@@ -375,11 +345,21 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
       for (int e = 0; e < 4; ++e) accc[m][nt][e] = 0.f;
   }
   for (int st = 0; st < nst; ++st) {
+    // NT == 1: the stage's x (GPS groups) loaded before the wait for its weights
+    uint4 xst[NT == 1 ? GPS : 1][4];
+    if constexpr (NT == 1) {
+#pragma unroll
+      for (int jj = 0; jj < GPS; ++jj)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          xst[jj][j] = xcol[0] && st * GPS + jj < cnt
+                           ? __ldg(xcol[0] + (gb + st * GPS + jj) * 16 + j)
+                           : make_uint4(0u, 0u, 0u, 0u);
+    }
     cp_async_wait<S - 2>();  // this lane's copies of stage st have landed
     __syncwarp();            // ... and every lane's (x too); stage st-1's slot is no longer read
-    issue(st + S - 1, true);
+    issue(st + S - 1);
     const uint4* slot = ring + (st % S) * SLOT;
-    const uint4* slot_x = xring + (st % S) * XSLOT;
 #pragma unroll
     for (int jj = 0; jj < GPS; ++jj) {
       const int i = st * GPS + jj;
@@ -404,9 +384,9 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
           for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int j = 0; j < 4; ++j)
-              xv[nt][j] = !xcol[nt] ? make_uint4(0u, 0u, 0u, 0u)   // a column past nc
-                          : XR ? slot_x[(jj * NCOL + nt * 8 + g) * 16 + (((j << 2) | t) ^ ((g & 1) << 2))]
-                               : __ldg(xcol[nt] + gi * 16 + j);
+              xv[nt][j] = NT == 1 ? xst[jj][j]
+                          : !xcol[nt] ? make_uint4(0u, 0u, 0u, 0u)   // a column past nc
+                                      : __ldg(xcol[nt] + gi * 16 + j);
 #pragma unroll
           for (int m = 0; m < NM; ++m) {
             const uint4& va = slot[(m * 16 + g) * RC + ring_swz<GPS>(4 * jj + t, g)];
@@ -440,14 +420,14 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
 template <int OP, int KS, int S, int GPS>
 struct Tca {
   static constexpr int kOp = OP, kNm = OP == OP_SILU ? 2 : 1, kKs = KS, kStages = S, kGps = GPS;
-  template <int NT, bool XR>
+  template <int NT>
   static cudaError_t launch(const Args& a, cudaStream_t stream) {
-    auto kern = gemv_int4_tca_kernel<kNm, KS, S, GPS, OP, NT, XR>;
+    auto kern = gemv_int4_tca_kernel<kNm, KS, S, GPS, OP, NT>;
     static const cudaError_t attr = set_max_smem(kern, kTcaMaxSmemBytes);
     if (attr != cudaSuccess) return smem_refused(attr, "gemv_int4_tca_kernel", kTcaMaxSmemBytes);
     return launch_pdl(NT == 0 ? "gemv_int4_tca_kernel" : "gemv_int4_tca_kernel (columns)", kern,
                       dim3((a.n + 15) / 16), dim3(KS * 32),
-                      (size_t)tca_smem_bytes(a.k, kNm, KS, S, GPS, NT, XR), stream, a);
+                      (size_t)tca_smem_bytes(a.k, kNm, KS, S, GPS, NT), stream, a);
   }
 };
 
@@ -457,8 +437,7 @@ struct Int4Instance {
   const char* use;   // the engine GEMV it serves (for messages)
   int nm, ks, stages, gps;
   // by column tiles: [0] one column (decode), [1] 2..8 columns, [2] 9..16 (the verify step)
-  // with x read from global memory; [3], [4]: the same with x in the ring (where it fits)
-  cudaError_t (*launch[5])(const Args&, cudaStream_t);
+  cudaError_t (*launch[3])(const Args&, cudaStream_t);
 };
 
 constexpr int kMaxCols = kMaxGemvCols;
@@ -469,9 +448,7 @@ constexpr int kAnyK = INT_MAX;
 template <class T>
 constexpr Int4Instance instance(int max_k, const char* use) {
   return {T::kOp, max_k, use, T::kNm, T::kKs, T::kStages, T::kGps,
-          {&T::template launch<0, false>, &T::template launch<1, false>,
-           &T::template launch<2, false>, &T::template launch<1, true>,
-           &T::template launch<2, true>}};
+          {&T::template launch<0>, &T::template launch<1>, &T::template launch<2>}};
 }
 
 // Chosen from GEMV_NOTES.md runs 7-8 (H200, graph of back-to-back PDL launches, 7B shapes): the
@@ -541,15 +518,13 @@ cudaError_t run_int4(const char* fn, int op, const Args& a, cudaStream_t stream)
                    "offsets of its kernel (%s instance tca K%d S%d G%d); no other kernel exists",
                    fn, a.n, a.k, chunks, r.use, r.ks, r.stages, r.gps);
   const int nt = a.nc <= 1 ? 0 : (a.nc + 7) / 8;
-  const bool xr =
-      nt > 0 && tca_smem_bytes(a.k, r.nm, r.ks, r.stages, r.gps, nt, true) <= kTcaMaxSmemBytes;
-  const long long smem = tca_smem_bytes(a.k, r.nm, r.ks, r.stages, r.gps, nt, xr);
+  const long long smem = tca_smem_bytes(a.k, r.nm, r.ks, r.stages, r.gps, nt);
   if (smem > kTcaMaxSmemBytes)
     return nq_fail(cudaErrorInvalidValue,
                    "%s: n=%d k=%d needs %lld bytes of shared memory per block in its kernel (%s "
                    "instance tca K%d S%d G%d), the limit is %d; no other kernel exists",
                    fn, a.n, a.k, smem, r.use, r.ks, r.stages, r.gps, kTcaMaxSmemBytes);
-  const cudaError_t e = r.launch[xr ? nt + 2 : nt](a, stream);
+  const cudaError_t e = r.launch[nt](a, stream);
   if (e == cudaSuccess) return e;
   return nq_fail(e, "%s: n=%d k=%d cols=%d (%s instance tca K%d S%d G%d): %s", fn, a.n, a.k, a.nc,
                  r.use, r.ks, r.stages, r.gps, last_error_message());
