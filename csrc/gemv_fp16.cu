@@ -28,7 +28,6 @@ __device__ __forceinline__ float2 h2f(uint32_t u) {
 // logits only after it.
 constexpr int kRows = 1;    // R: rows per warp
 constexpr int kUnroll = 8;  // U: 16-byte chunks per row in flight
-constexpr int kColRows = 2, kColUnroll = 4;  // R, U of the column instances (the verify step)
 
 // NC > 1: nc <= NC columns (the verify step), x [nc, k], out [nc, n]; per column the products
 // and sums run in the one-column order, so each column is bit-identical to an NC = 1 launch.
@@ -73,7 +72,7 @@ __global__ void __launch_bounds__(kThreads) gemv_fp16_kernel(float* __restrict__
       if (c < C) {
 #pragma unroll
         for (int q = 0; q < NC; ++q) {
-          if (NC > 1 && q >= nc) continue;  // warp-uniform
+          if (NC > 1 && q >= nc) break;  // warp-uniform
           const uint4 xv = __ldg(x4 + (size_t)q * C + c);
           const float2 x0 = h2f(xv.x), x1 = h2f(xv.y), x2 = h2f(xv.z), x3 = h2f(xv.w);
 #pragma unroll
@@ -96,7 +95,7 @@ __global__ void __launch_bounds__(kThreads) gemv_fp16_kernel(float* __restrict__
     if (cb >= C) {  // row group done
 #pragma unroll
       for (int q = 0; q < NC; ++q) {
-        if (NC > 1 && q >= nc) continue;  // warp-uniform
+        if (NC > 1 && q >= nc) break;  // warp-uniform
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           float v = acc0[q][r] + acc1[q][r];
@@ -134,22 +133,18 @@ cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k,
   const int warps = (n + kRows - 1) / kRows;
   const dim3 grid((warps + kWarps - 1) / kWarps);
   // one column: the decode step's instance; more: the smallest of 4, 8, 16 columns that holds
-  // them, with 2 rows a warp (each x chunk loaded and converted once for both) and 4 chunks in
-  // flight a row. Per row and column every lane still takes chunks lane, lane + 32, ... in order
-  // and the warp reduces as above, so each column is bit-identical to the one-column instance.
-  const dim3 grid2(((n + kColRows - 1) / kColRows + kWarps - 1) / kWarps);
+  // them, the same R and U (2 rows a warp with 4 chunks in flight measured slower at 8 columns:
+  // RESULTS.md, session 15). Each column's sums run as in the one-column instance.
   const cudaError_t e =
       cols == 1  ? launch_pdl("gemv_fp16_kernel", gemv_fp16_kernel<kRows, kUnroll, 1>, grid,
                               dim3(kThreads), 0, stream, logits, x, w, n, k, cols)
-      : cols <= 4 ? launch_pdl("gemv_fp16_kernel<4 columns>",
-                               gemv_fp16_kernel<kColRows, kColUnroll, 4>, grid2, dim3(kThreads), 0,
-                               stream, logits, x, w, n, k, cols)
-      : cols <= 8 ? launch_pdl("gemv_fp16_kernel<8 columns>",
-                               gemv_fp16_kernel<kColRows, kColUnroll, 8>, grid2, dim3(kThreads), 0,
-                               stream, logits, x, w, n, k, cols)
+      : cols <= 4 ? launch_pdl("gemv_fp16_kernel<4 columns>", gemv_fp16_kernel<kRows, kUnroll, 4>,
+                               grid, dim3(kThreads), 0, stream, logits, x, w, n, k, cols)
+      : cols <= 8 ? launch_pdl("gemv_fp16_kernel<8 columns>", gemv_fp16_kernel<kRows, kUnroll, 8>,
+                               grid, dim3(kThreads), 0, stream, logits, x, w, n, k, cols)
                   : launch_pdl("gemv_fp16_kernel<16 columns>",
-                               gemv_fp16_kernel<kColRows, kColUnroll, 16>, grid2, dim3(kThreads),
-                               0, stream, logits, x, w, n, k, cols);
+                               gemv_fp16_kernel<kRows, kUnroll, 16>, grid, dim3(kThreads), 0,
+                               stream, logits, x, w, n, k, cols);
   if (e == cudaSuccess) return e;
   return nq_fail(e, "gemv_fp16: n=%d k=%d cols=%d: %s", n, k, cols, last_error_message());
 }

@@ -255,10 +255,8 @@ constexpr long long tca_smem_bytes(long long k, int nm, int ks, int s, int gps, 
 // NT = 0: one column (the decode step), x staged in shared memory; NT = 1, 2: a.nc <= 8*NT
 // columns (the verify step), columns >= nc fed zeros, each lane reading its column's x from
 // global memory (L1/L2). A block's x is then nc*k*2 bytes, too much to stage for down_proj;
-// staging it whole where it fits, or copying it by cp.async in a ring beside the weights',
-// measured slower (their shared memory costs the blocks per SM these kernels live on:
-// RESULTS.md, session 15). With one tile (NT = 1) a stage's x for all GPS groups is loaded
-// at the stage's start, so its latency is paid once a stage.
+// staging it whole where it fits, copying it by cp.async in a ring beside the weights', or
+// loading a stage's x at the stage's start all measured slower (RESULTS.md, session 15).
 template <int NM, int KS, int S, int GPS, int OP, int NT>
 __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca_kernel(const Args a) {
   static_assert(S >= 2 && (GPS == 1 || GPS == 2 || GPS == 4), "ring shape");
@@ -345,17 +343,6 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
       for (int e = 0; e < 4; ++e) accc[m][nt][e] = 0.f;
   }
   for (int st = 0; st < nst; ++st) {
-    // NT == 1: the stage's x (GPS groups) loaded before the wait for its weights
-    uint4 xst[NT == 1 ? GPS : 1][4];
-    if constexpr (NT == 1) {
-#pragma unroll
-      for (int jj = 0; jj < GPS; ++jj)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          xst[jj][j] = xcol[0] && st * GPS + jj < cnt
-                           ? __ldg(xcol[0] + (gb + st * GPS + jj) * 16 + j)
-                           : make_uint4(0u, 0u, 0u, 0u);
-    }
     cp_async_wait<S - 2>();  // this lane's copies of stage st have landed
     __syncwarp();            // ... and every lane's (x too); stage st-1's slot is no longer read
     issue(st + S - 1);
@@ -384,9 +371,7 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
           for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int j = 0; j < 4; ++j)
-              xv[nt][j] = NT == 1 ? xst[jj][j]
-                          : !xcol[nt] ? make_uint4(0u, 0u, 0u, 0u)   // a column past nc
-                                      : __ldg(xcol[nt] + gi * 16 + j);
+              xv[nt][j] = xcol[nt] ? __ldg(xcol[nt] + gi * 16 + j) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
           for (int m = 0; m < NM; ++m) {
             const uint4& va = slot[(m * 16 + g) * RC + ring_swz<GPS>(4 * jj + t, g)];
