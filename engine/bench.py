@@ -1,6 +1,6 @@
 """`nanoqwen bench`: prompt processing and token generation speed in llama-bench's terms.
 
-    nanoqwen bench [--model FILE | --synthetic PRESET] [--backend auto|cuda|reference] ...
+    nanoqwen bench [--model FILE | --synthetic PRESET] [--backend auto|cuda|reference] [-d N] ...
 
 For each decode mode of the backend: `-r` timed repetitions (after one warm-up) of: empty
 cache, prefill `-p` random prompt ids, then `-n` tokens (no stop ids), greedy unless a sampler
@@ -19,7 +19,9 @@ backend the wall clock around each step of its compute thread, the consumer's ti
             write; 4276 GB/s on the H200, about 3 TB/s on an H100 SXM: a fixed H200 figure
             made an H100's share look 20-30% worse than it is). The reference backend runs
             fp32 weights dequantized at load: no INT4 traffic, no GB/s
-Each figure is the median over repetitions.
+Each figure is the median over repetitions. `-d N` (llama-bench's depth) puts N random ids in
+the cache before each repetition (untimed): TTFT is then the prompt's prefill after N cached
+tokens and the decode steps read N + p + i, the long-context figures; rows read "pp512 @ d8192".
 
 The model: `--model FILE` (default: the bundled model), loaded as `nanoqwen generate` loads it
 (engine/loader.py: "auto" is CUDA where it runs, else the reference backend on the CPU), or
@@ -93,9 +95,12 @@ def _size_str(n: int) -> str:
 
 
 def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
-              seed: int = 0, params=None) -> list[dict]:
+              seed: int = 0, params=None, depth: int = 0) -> list[dict]:
     """llama-bench's pp/tg rows per mode; decode samples with `params` (SamplerParams;
-    None: greedy, llama-bench's and the figures' default)."""
+    None: greedy, llama-bench's and the figures' default). `depth` (llama-bench's -d): each
+    repetition first forwards that many random ids, untimed, so the prompt is prefilled after
+    `depth` cached tokens and the decode steps read depth + n_prompt + i of them; the rows'
+    test names then end in " @ d<depth>", as llama-bench's do."""
     import torch
 
     from .rates import median_ms, tokens_per_s
@@ -104,6 +109,8 @@ def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
     cfg = backend.config
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (n_prompt,), generator=g).tolist()
+    context = torch.randint(0, cfg.vocab_size, (depth,), generator=g).tolist()
+    at = f" @ d{depth}" if depth else ""
     sampler = params if params is not None else SamplerParams.greedy_params()
     if not sampler.greedy and sampler.seed < 0:
         sampler = dataclasses.replace(sampler, seed=seed)  # the same draws every repetition
@@ -114,6 +121,8 @@ def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
         ttft, mspt = [], []
         for r in range(reps + 1):  # repetition 0 warms up (graph upload, cuBLAS handles)
             backend.truncate(0)
+            if context:
+                backend.forward(context)   # the cached context, untimed
             events = list(backend.generate(prompt, sampler, max_new_tokens=n_gen + 1))
             if r == 0:
                 continue
@@ -123,17 +132,17 @@ def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
         backend.truncate(0)
         t_ms = median_ms(ttft)
         d_ms = median_ms(mspt)
-        mean_ctx = n_prompt + n_gen / 2
+        mean_ctx = depth + n_prompt + n_gen / 2
         kv_bytes = 2 * cfg.num_hidden_layers * mean_ctx * cfg.kv_size * 2
         gbs = (cfg.decode_bytes_per_token() + kv_bytes) / (d_ms * 1e-3) / 1e9
         common = dict(model=cfg.name, backend=backend.name, device=backend.device_name,
-                      mode=mode, reps=reps, sampler=sampler_label(sampler))
-        rows.append(dict(common, test=f"pp{n_prompt}", tokens_per_s=tokens_per_s(n_prompt, t_ms),
+                      mode=mode, reps=reps, sampler=sampler_label(sampler), depth=depth)
+        rows.append(dict(common, test=f"pp{n_prompt}{at}", tokens_per_s=tokens_per_s(n_prompt, t_ms),
                          ttft_ms=t_ms, ttft_all=ttft))
         bw = {} if backend.name != "cuda" else dict(gb_per_s=gbs)
         if copy_gbs:
             bw.update(copy_gb_per_s=copy_gbs, pct_of_copy_bw=100 * gbs / copy_gbs)
-        rows.append(dict(common, test=f"tg{n_gen}", tokens_per_s=tokens_per_s(1, d_ms),
+        rows.append(dict(common, test=f"tg{n_gen}{at}", tokens_per_s=tokens_per_s(1, d_ms),
                          ms_per_token=d_ms, **bw, ms_per_token_all=mspt))
     return rows
 
@@ -193,11 +202,14 @@ def cli_bench(args) -> int:
     for name in ("n_prompt", "n_gen", "repetitions"):
         if getattr(args, name) < 1:
             raise NanoqwenError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.depth < 0:
+        raise NanoqwenError(f"--depth {args.depth}: the cached tokens before each test, 0 or more")
     params = bench_sampler(args)
 
-    # a repetition forwards the prompt and makes n decode steps: p + n positions (the last of
-    # its n + 1 tokens is sampled, not forwarded); the cache gets 16 more where the model has them
-    positions = args.n_prompt + args.n_gen
+    # a repetition forwards the cached context and the prompt and makes n decode steps: d + p + n
+    # positions (the last of its n + 1 tokens is sampled, not forwarded); the cache gets 16
+    # more where the model has them
+    positions = args.depth + args.n_prompt + args.n_gen
     t0 = time.perf_counter()
     loaded = None
     if args.synthetic:
@@ -206,7 +218,7 @@ def cli_bench(args) -> int:
                                 "for the reference backend bench a file: --model FILE (or "
                                 "`nanoqwen convert --synthetic PRESET -o FILE` first)")
         cfg = ModelConfig.from_name(args.synthetic)
-        cfg.check_context(positions, "-p + -n")
+        cfg.check_context(positions, "-d + -p + -n")
         from .backends.cuda import CudaBackend
 
         backend = CudaBackend.synthetic(cfg, seed=0, max_context=_cache_size(positions, cfg))
@@ -219,7 +231,7 @@ def cli_bench(args) -> int:
         path = args.model or loader.default_model_path()
         with open_model(path) as mf:  # the header only: the context the model allows
             cfg = mf.config
-        cfg.check_context(positions, "-p + -n")
+        cfg.check_context(positions, "-d + -p + -n")
         loaded = loader.load(path, backend=args.backend, max_context=_cache_size(positions, cfg),
                              threads=args.threads)
         backend = loaded.backend
@@ -236,13 +248,13 @@ def cli_bench(args) -> int:
             raise NanoqwenError(f"--mode {','.join(missing)}: the {backend.name} backend has "
                                 f"only {', '.join(backend.modes)}")
         rows = run_bench(backend, args.n_prompt, args.n_gen, args.repetitions, modes,
-                         params=params)
+                         params=params, depth=args.depth)
         prefill = getattr(backend, "prefill_weights", None)
         if args.json:
             write_stdout(json.dumps(dict(source=source, backend=backend.name,
                                   device=backend.device_name, commit=_commit(), load_s=load_s,
                                   prefill_weights=prefill, weight_bytes=size,
-                                  n_prompt=args.n_prompt, n_gen=args.n_gen,
+                                  n_prompt=args.n_prompt, n_gen=args.n_gen, depth=args.depth,
                                   sampler=rows[0]["sampler"],
                                   threads=_threads(backend), date=time.strftime("%Y-%m-%d"),
                                   rows=rows), indent=2) + "\n")

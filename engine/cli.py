@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-p", "--n-prompt", type=int, default=512)
     b.add_argument("-n", "--n-gen", type=int, default=128)
     b.add_argument("-r", "--repetitions", type=int, default=5)
+    b.add_argument("-d", "--depth", type=int, default=0,
+                   help="tokens already in the cache before each test (llama-bench's -d): "
+                        "prompt processing and decode at that context")
     b.add_argument("--mode", default=None,
                    help=f"comma list of {', '.join(MODES)} (default: every mode the backend has)")
     b.add_argument("--backend", choices=BACKENDS, default="auto")

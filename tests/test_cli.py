@@ -286,6 +286,9 @@ def test_bench_defaults_to_the_bundled_model(capsys):
     (["--mode", "graph"], "--mode graph: the reference backend has only eager"),
     (["--synthetic", "7b"], "--synthetic makes its weights on the GPU"),
     (["-p", "4000"], "exceeds the model's context 4096"),
+    (["-d", "-1"], "--depth -1: the cached tokens before each test, 0 or more"),
+    (["-d", "3800", "-p", "200", "-n", "128"],
+     "-d + -p + -n = 4128 exceeds the model's context 4096"),
 ])
 def test_bench_reference_refusals(tiny_model_path, capsys, args, says):
     model = [] if "--synthetic" in args else ["-m", str(tiny_model_path)]
@@ -309,3 +312,46 @@ def test_bench_on_the_reference_backend_claims_no_bandwidth(tiny_model_path):
     assert [r["test"] for r in rows] == ["pp8", "tg4"]
     assert not any(k in r for r in rows for k in ("gb_per_s", "copy_gb_per_s", "pct_of_copy_bw"))
     assert "| % of copy |" in format_table(rows, 1)
+
+
+def test_bench_depth_prefills_the_prompt_after_the_cached_context(tiny_model_path, capsys):
+    """`-d` (llama-bench's depth): every repetition forwards the same `depth` random ids first
+    and then times the prompt's prefill and the decode on top of them: generate is called with
+    exactly those ids cached, its first token is the one the whole sequence forwarded at once
+    gives (greedy; either of two logits closer than 1e-3, a near-tie that the split of the
+    forward into two calls may flip in fp32), and the rows say the depth as llama-bench does."""
+    import json
+
+    from nanoqwen.engine import loader
+    from nanoqwen.engine.bench import run_bench
+
+    loaded = loader.load(tiny_model_path, backend="reference", max_context=64)
+    try:
+        be = loaded.backend
+        calls = []
+        real = be.generate
+
+        def generate(prompt, params, max_new_tokens):
+            cached = list(be.kv_tokens)
+            events = list(real(prompt, params, max_new_tokens))
+            calls.append((cached, list(prompt), events[0].token_id))
+            yield from events
+        be.generate = generate
+        rows = run_bench(be, 8, 4, 2, ["eager"], depth=20)
+        assert [r["test"] for r in rows] == ["pp8 @ d20", "tg4 @ d20"]
+        assert all(r["depth"] == 20 for r in rows)
+        assert len(calls) == 3 and all(c == calls[0] for c in calls)   # warm-up + 2 reps
+        cached, prompt, first = calls[0]
+        assert len(cached) == 20 and len(prompt) == 8
+        be.truncate(0)
+        logits = be.forward_all(cached + prompt)[-1]
+        top2 = logits.topk(2)
+        best = int(top2.indices[0])
+        near_tie = float(top2.values[0] - top2.values[1]) < 1e-3
+        assert first == best or (near_tie and first == int(top2.indices[1]))
+    finally:
+        loaded.close()
+    assert main(["bench", "--backend", "reference", "-m", str(tiny_model_path), "-d", "16",
+                 "-p", "8", "-n", "4", "-r", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["depth"] == 16 and [r["test"] for r in out["rows"]] == ["pp8 @ d16", "tg4 @ d16"]

@@ -296,6 +296,10 @@ def test_bench_rows_are_a_share_of_this_cards_copy_bandwidth(untied):
         assert r["pct_of_copy_bw"] == pytest.approx(100 * r["gb_per_s"] / r["copy_gb_per_s"])
     assert not any("copy_gb_per_s" in r for r in rows if r["test"].startswith("pp"))
     assert f"% of copy ({tg[0]['copy_gb_per_s']:.0f})" in format_table(rows, 1)
+    # at a depth (-d): the prompt after 40 cached ids, on the CUDA engine's prefill too
+    deep = run_bench(cuda, 16, 8, 1, ["graph"], depth=40)
+    assert [r["test"] for r in deep] == ["pp16 @ d40", "tg8 @ d40"]
+    assert deep[0]["ttft_ms"] > 0 and deep[1]["ms_per_token"] > 0 and len(cuda.kv_tokens) == 0
 
 
 def greedy_with_margins(ref, prompt, n, stop_ids):
