@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from nanoqwen.engine.backends.cuda import CudaBackend
-    from nanoqwen.engine.bench import _commit, run_bench, sampler_label
+    from nanoqwen.engine.bench import _commit, copy_bandwidth, run_bench, sampler_label
     from nanoqwen.engine.config import ModelConfig
     from nanoqwen.engine.sampling import SamplerParams
 
@@ -59,10 +59,11 @@ def main(argv=None) -> int:
     be = CudaBackend.synthetic(cfg, seed=0, max_context=args.n_prompt + args.n_gen + 16)
     rows = []
     greedy_ms = None
+    copy_gbs = copy_bandwidth(be.device)   # once for every setting's run_bench
     for name, fields in SETTINGS:
         params = SamplerParams(**{**SamplerParams().to_dict(), **fields}).validate()
         r = run_bench(be, args.n_prompt, args.n_gen, args.repetitions, [args.mode],
-                      params=params)
+                      params=params, copy_gbs=copy_gbs)
         tg = next(x for x in r if x["test"].startswith("tg"))
         ms = tg["ms_per_token"]
         if greedy_ms is None:

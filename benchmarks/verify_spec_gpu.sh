@@ -2,7 +2,8 @@
 # The verify step and speculation on the GPU in one device call (issue 13): install, build, the
 # verify tests first (tests/gpu/test_verify.py), then (FULL=1) all of tests/gpu; t(k) at 7B
 # shapes (bench_verify.py) with the acceptance bench_spec.py measures on the CUDA engine with
-# the bundled model; (BENCH=1) the 7B decode bench, which must not move. Logs under $OUT.
+# the bundled model; (BENCH=1) the 7B decode bench, which must not move; (DEPTH=1) the 7B bench
+# after 8192 cached tokens (nanoqwen bench -d). Logs under $OUT.
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> FULL=1 BENCH=1 bash benchmarks/verify_spec_gpu.sh
 # (carry .whl: the app tests' textual wheels)
 set -o pipefail
@@ -21,6 +22,9 @@ t "bench_spec (cuda, bundled model)"; timeout 200 python3 benchmarks/bench_spec.
 t "bench_verify 7b"; (cd benchmarks && timeout 150 python3 bench_verify.py --preset 7b --acceptance "$OUT/bench_spec_cuda_$C.json" --json "$OUT/bench_verify_7b_$C.json" 2>&1 | tail -30)
 if [ "${BENCH:-0}" = 1 ]; then
 t "bench 7b"; timeout 100 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph,eager --json > "$OUT/bench_7b_$C.json" && tail -c 400 "$OUT/bench_7b_$C.json"; echo
+fi
+if [ "${DEPTH:-0}" = 1 ]; then  # issue 14's long-context rows: after 8192 cached tokens
+t "bench 7b -d 8192"; timeout 120 nanoqwen bench --synthetic 7b -d 8192 -p 512 -n 128 -r 3 --mode graph --json > "$OUT/bench_7b_d8192_$C.json" && tail -c 400 "$OUT/bench_7b_d8192_$C.json"; echo
 fi
 t "done"
 } 2>&1 | tee "$OUT/verify_spec_$C.log"

@@ -50,6 +50,8 @@ def copy_bandwidth(device) -> float | None:
     to the model: then the rows carry no share rather than one against another card)."""
     import torch
 
+    from .rates import median_ms
+
     device = torch.device(device)
     if device.type != "cuda":
         return None
@@ -69,8 +71,7 @@ def copy_bandwidth(device) -> float | None:
             end.synchronize()
             times.append(start.elapsed_time(end))
     del src, dst
-    times.sort()
-    return 2 * COPY_BYTES / (times[len(times) // 2] * 1e-3) / 1e9
+    return 2 * COPY_BYTES / (median_ms(times) * 1e-3) / 1e9
 
 
 def _commit() -> str:
@@ -94,10 +95,15 @@ def _size_str(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+_MEASURE = object()   # run_bench's copy_gbs default: measure the card's copy bandwidth
+
+
 def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
-              seed: int = 0, params=None, depth: int = 0) -> list[dict]:
+              seed: int = 0, params=None, depth: int = 0, copy_gbs=_MEASURE) -> list[dict]:
     """llama-bench's pp/tg rows per mode; decode samples with `params` (SamplerParams;
-    None: greedy, llama-bench's and the figures' default). `depth` (llama-bench's -d): each
+    None: greedy, llama-bench's and the figures' default). `copy_gbs`: the card's copy
+    bandwidth (GB/s) the rows' share is of; measured here (copy_bandwidth) unless a caller
+    that runs many benches on one card passes its one measurement (or None: no share). `depth` (llama-bench's -d): each
     repetition first forwards that many random ids, untimed, so the prompt is prefilled after
     `depth` cached tokens and the decode steps read depth + n_prompt + i of them; the rows'
     test names then end in " @ d<depth>", as llama-bench's do."""
@@ -115,7 +121,9 @@ def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
     if not sampler.greedy and sampler.seed < 0:
         sampler = dataclasses.replace(sampler, seed=seed)  # the same draws every repetition
     rows = []
-    copy_gbs = copy_bandwidth(backend.device) if backend.name == "cuda" else None
+    on_gpu = backend.name == "cuda"   # INT4 weights on the card: GB/s and its share apply
+    if copy_gbs is _MEASURE:
+        copy_gbs = copy_bandwidth(backend.device) if on_gpu else None
     for mode in modes:
         backend.mode = mode
         ttft, mspt = [], []
@@ -139,8 +147,8 @@ def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
                       mode=mode, reps=reps, sampler=sampler_label(sampler), depth=depth)
         rows.append(dict(common, test=f"pp{n_prompt}{at}", tokens_per_s=tokens_per_s(n_prompt, t_ms),
                          ttft_ms=t_ms, ttft_all=ttft))
-        bw = {} if backend.name != "cuda" else dict(gb_per_s=gbs)
-        if copy_gbs:
+        bw = dict(gb_per_s=gbs) if on_gpu else {}
+        if on_gpu and copy_gbs:
             bw.update(copy_gb_per_s=copy_gbs, pct_of_copy_bw=100 * gbs / copy_gbs)
         rows.append(dict(common, test=f"tg{n_gen}{at}", tokens_per_s=tokens_per_s(1, d_ms),
                          ms_per_token=d_ms, **bw, ms_per_token_all=mspt))
