@@ -18,8 +18,10 @@ t "tests/gpu/test_verify.py"; timeout 200 python3 -m pytest tests/gpu/test_verif
 if [ "${FULL:-0}" = 1 ]; then
 t "tests/gpu"; timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -30
 fi
+if [ "${SPEC:-1}" = 1 ]; then  # SPEC=0: tests only
 t "bench_spec (cuda, bundled model)"; timeout 200 python3 benchmarks/bench_spec.py --backend cuda --reps ${SPEC_REPS:-3} --json "$OUT/bench_spec_cuda_$C.json" 2>&1 | tail -20
 t "bench_verify 7b"; (cd benchmarks && timeout 150 python3 bench_verify.py --preset 7b --acceptance "$OUT/bench_spec_cuda_$C.json" --json "$OUT/bench_verify_7b_$C.json" 2>&1 | tail -30)
+fi
 if [ "${BENCH:-0}" = 1 ]; then
 t "bench 7b"; timeout 100 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph,eager --json > "$OUT/bench_7b_$C.json" && tail -c 400 "$OUT/bench_7b_$C.json"; echo
 fi

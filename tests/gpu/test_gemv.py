@@ -234,11 +234,11 @@ def test_bad_shapes_raise_with_numbers():
         ops().gemv_int4(y, x[:96], torch.zeros(8, 12, dtype=torch.int32, device=dev), sc, None)
     with pytest.raises(RuntimeError, match=r"x is \[255\], expected \[k\] or \[cols, k\] with k=256"):
         ops().gemv_int4(y, x[:255], qw, sc, None)
-    with pytest.raises(RuntimeError, match="y has 7 elements, expected n=8"):
+    with pytest.raises(RuntimeError, match=r"y has 7 elements, expected cols\*n=8"):
         ops().gemv_int4(y[:7], x, qw, sc, None)
     with pytest.raises(RuntimeError, match="bias has 9 elements, expected n=8"):
         ops().gemv_int4(y, x, qw, sc, torch.zeros(9, dtype=torch.float16, device=dev))
-    with pytest.raises(RuntimeError, match="hidden has 9 elements, expected n=8"):
+    with pytest.raises(RuntimeError, match=r"hidden has 9 elements, expected cols\*n=8"):
         ops().gemv_int4_residual(torch.zeros(9, device=dev), x, qw, sc)
     with pytest.raises(RuntimeError, match="hidden must be Float"):
         ops().gemv_int4_residual(y, x, qw, sc)
@@ -246,7 +246,7 @@ def test_bad_shapes_raise_with_numbers():
         ops().gemv_int4_silu_mul(y, x, qw, sc, qw[:4], sc[:4])
     with pytest.raises(RuntimeError, match=r"scales has shape \[8, 3\], expected \[8, 2\]"):
         ops().gemv_int4(y, x, qw, torch.ones(8, 3, dtype=torch.float16, device=dev), None)
-    with pytest.raises(RuntimeError, match="logits has 4 elements, expected n=5"):
+    with pytest.raises(RuntimeError, match=r"logits has 4 elements, expected cols\*n=5"):
         ops().gemv_fp16(torch.empty(4, device=dev), x, torch.zeros(5, 256, dtype=torch.float16,
                                                                    device=dev))
     with pytest.raises(RuntimeError, match=r"w has shape \[8, 384\], expected \[8, 256\]"):
