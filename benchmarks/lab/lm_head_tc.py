@@ -1,0 +1,118 @@
+"""The lm_head on tensor cores (lm_head_tc_lab.cu) against csrc's gemv_fp16, by columns.
+
+    python benchmarks/lab/lm_head_tc.py [--json FILE]
+
+At the 7B's lm_head (152064 x 3584 fp16, random, std 0.02) and x [16, 3584] (randn): for cols 1,
+2, 4, 8, 9, 13, 16, each kernel's time per launch (20 back-to-back launches, median of 5 runs of
+them), its error against fp64 (||out - ref|| / ||sqrt(sum_k (w x)^2) + |ref|||, tests/gpu/
+test_gemv.py's measure; TOL_FP16 there is 1e-5), whether the tensor-core kernel's columns are
+bit-identical to its one-column calls, and how many columns' argmax the two kernels disagree on.
+
+Prediction (written before the first run, session 15): gemv_fp16 is memory-bound to 4 columns
+and FMA-bound past them (342 / 358 / 599 / 1294 us at 1 / 4 / 8 / 16 columns in
+results/2026-12-06_bench_verify_7b_9cab2f3.json); on tensor cores the products cost nothing
+next to the 1.09 GB, so 345-380 us at every column count up to 16 (the second n8 tile's x loads
+may add a little past 8), its error ~1e-7 (fp32 sums in another order), argmax the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+LAB = Path(__file__).resolve().parent
+COLS = (1, 2, 4, 8, 9, 13, 16)
+
+
+def build() -> ctypes.CDLL:
+    so = Path("/tmp/nanoqwen_lm_head_tc.so")
+    subprocess.run(["nvcc", "-shared", "-Xcompiler", "-fPIC", "-O3", "-std=c++17",
+                    "-gencode=arch=compute_90a,code=sm_90a", str(LAB / "lm_head_tc_lab.cu"),
+                    "-o", str(so)], check=True)
+    lib = ctypes.CDLL(str(so))
+    P, I = ctypes.c_void_p, ctypes.c_int
+    lib.lm_head_tc.argtypes = [P, P, P, I, I, I, I, P]
+    lib.lm_head_tc.restype = I
+    return lib
+
+
+def timed(fn, stream) -> float:
+    runs = []
+    for _ in range(6):
+        s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s0.record(stream)
+        for _ in range(20):
+            fn()
+        s1.record(stream)
+        s1.synchronize()
+        runs.append(s0.elapsed_time(s1) * 1e3 / 20)
+    return statistics.median(runs[1:])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from nanoqwen.engine.build import load_extension
+
+    load_extension()
+    lib = build()
+    o = torch.ops.nanoqwen
+    n, k = 152064, 3584
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).half()
+    x = torch.randn(16, k, generator=gen, device="cuda").half()
+    stream = torch.cuda.current_stream()
+    sp = ctypes.c_void_p(stream.cuda_stream)
+    wd = w.double()
+    w2 = wd ** 2
+    rows = []
+
+    def tc(out, xs, unroll):
+        e = lib.lm_head_tc(out.data_ptr(), xs.data_ptr(), w.data_ptr(), n, k, xs.shape[0],
+                           unroll, sp)
+        if e:
+            raise RuntimeError(f"lm_head_tc: CUDA error {e}")
+
+    singles = {}
+    for c in range(16):
+        o1 = torch.empty(1, n, device="cuda")
+        tc(o1, x[c:c + 1].contiguous(), 8)
+        singles[c] = o1[0]
+    for c in COLS:
+        xs = x[:c].contiguous()
+        ref = (xd := xs.double()) @ wd.T                                  # [c, n]
+        scale = (w2 @ (xd ** 2).T).T.sqrt() + ref.abs()
+        out_f = torch.full((c, n), float("nan"), device="cuda")
+        o.gemv_fp16(out_f, xs, w)
+        row = dict(cols=c, fp16_fma_us=timed(lambda: o.gemv_fp16(out_f, xs, w), stream))
+        row["fp16_fma_err"] = float((out_f.double() - ref).norm() / scale.norm())
+        for u in (4, 8):
+            out_t = torch.full((c, n), float("nan"), device="cuda")
+            tc(out_t, xs, u)
+            row[f"tc_u{u}_us"] = timed(lambda: tc(out_t, xs, u), stream)
+            row[f"tc_u{u}_err"] = float((out_t.double() - ref).norm() / scale.norm())
+            row[f"tc_u{u}_columns_bit_identical"] = all(torch.equal(out_t[i], singles[i])
+                                                        for i in range(c))
+            row[f"tc_u{u}_argmax_differs"] = int((out_t.argmax(1) != out_f.argmax(1)).sum())
+        rows.append(row)
+        print(" ".join(f"{key}={val:.3g}" if isinstance(val, float) else f"{key}={val}"
+                       for key, val in row.items()), flush=True)
+        del ref, scale
+    out = dict(bench="lab/lm_head_tc", device=torch.cuda.get_device_name(), n=n, k=k,
+               date=time.strftime("%Y-%m-%d"), rows=rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+// lm_head_tc_lab.cu -- a lab candidate for the lm_head GEMV on tensor cores, for 1..16 columns
+// (issue 13's verify step; RESULTS.md session 15: at 8 columns csrc/gemv_fp16.cu's fp32 FMAs, not
+// its 1.09 GB, bound it: 599 us against 342 at one column). Not launched by the engine.
+//
+// logits[c][n] = sum_k W[n,k] * x[c][k], W fp16 [n, k] row-major, x fp16 [nc, k], fp32 out.
+// A warp owns a 16-row tile at a time (grid-stride over tiles). Per k32 block lane (g, t) loads
+// one 16-byte chunk (8 halves, k = 32*kb + 8t ..) of rows g and g+8 and the same chunk of x
+// column g (and 8 + g for the second n8 tile): mma m16n8k16 #1 takes halves 0-3 of the chunks,
+// #2 halves 4-7 -- the logical k of the mma (2t, 2t+1, 2t+8, 2t+9) maps to the same physical k
+// for A and B, so the product is the plain dot product. fp16 x fp16 products are exact in fp32;
+// the tensor core sums them in fp32. Column c's accumulator chain is the same for any nc, so
+// columns are bit-identical to a one-column call (the property the verify step needs) -- if the
+// decode step used this kernel too.
+//
+// Self-contained (no csrc/ helpers): benchmarks/lab/lm_head_tc.py compiles it alone with nvcc
+// and calls it through ctypes.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {  // weights: read once, not into L1
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+constexpr int kWarps = 8;
+
+template <int NT, int U>
+__global__ void __launch_bounds__(kWarps * 32) lm_head_tc_kernel(float* __restrict__ out,
+                                                                 const half* __restrict__ x,
+                                                                 const half* __restrict__ w,
+                                                                 int n, int k, int nc) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = blockIdx.x * kWarps + (threadIdx.x >> 5), nwarps = gridDim.x * kWarps;
+  const int C = k >> 3, KB = k >> 5, tiles = (n + 15) >> 4;
+  const uint4* x4 = reinterpret_cast<const uint4*>(x);
+  const uint4* xc[NT];
+  bool ok[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    ok[nt] = nt * 8 + g < nc;
+    xc[nt] = x4 + (size_t)(ok[nt] ? nt * 8 + g : 0) * C + t;
+  }
+  for (int tile = warp; tile < tiles; tile += nwarps) {
+    const int ra = min(tile * 16 + g, n - 1), rb = min(tile * 16 + g + 8, n - 1);
+    const uint4* wa = reinterpret_cast<const uint4*>(w) + (size_t)ra * C + t;
+    const uint4* wb = reinterpret_cast<const uint4*>(w) + (size_t)rb * C + t;
+    float d[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
+    for (int kb = 0; kb < KB; kb += U) {
+      uint4 va[U], vb[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (kb + u < KB) {
+          va[u] = ld_stream(wa + (kb + u) * 4);
+          vb[u] = ld_stream(wb + (kb + u) * 4);
+        }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (kb + u < KB) {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint4 xv = ok[nt] ? __ldg(xc[nt] + (kb + u) * 4) : make_uint4(0u, 0u, 0u, 0u);
+            mma16816(d[nt], va[u].x, vb[u].x, va[u].y, vb[u].y, xv.x, xv.y);
+            mma16816(d[nt], va[u].z, vb[u].z, va[u].w, vb[u].w, xv.z, xv.w);
+          }
+        }
+    }
+    // lane (g, t): rows g, g+8 of columns 8nt + 2t, 2t+1
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = nt * 8 + 2 * t + e, r = tile * 16 + g;
+        if (col < nc) {
+          if (r < n) out[(size_t)col * n + r] = d[nt][e];
+          if (r + 8 < n) out[(size_t)col * n + r + 8] = d[nt][2 + e];
+        }
+      }
+  }
+}
+
+}  // namespace
+
+// 0 on success; a CUDA error otherwise (k % 32, nc 1..16, 16-byte alignment are the caller's).
+extern "C" int lm_head_tc(float* out, const half* x, const half* w, int n, int k, int nc,
+                          int unroll, cudaStream_t stream) {
+  if (n < 1 || k < 32 || k % 32 || nc < 1 || nc > 16) return (int)cudaErrorInvalidValue;
+  int sms = 0, dev = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int tiles = (n + 15) / 16;
+  int blocks = (tiles + kWarps - 1) / kWarps;
+  if (blocks > sms * 8) blocks = sms * 8;
+  const dim3 grid(blocks), block(kWarps * 32);
+  if (nc <= 8) {
+    if (unroll == 8) lm_head_tc_kernel<1, 8><<<grid, block, 0, stream>>>(out, x, w, n, k, nc);
+    else lm_head_tc_kernel<1, 4><<<grid, block, 0, stream>>>(out, x, w, n, k, nc);
+  } else {
+    if (unroll == 8) lm_head_tc_kernel<2, 8><<<grid, block, 0, stream>>>(out, x, w, n, k, nc);
+    else lm_head_tc_kernel<2, 4><<<grid, block, 0, stream>>>(out, x, w, n, k, nc);
+  }
+  return (int)cudaGetLastError();
+}
