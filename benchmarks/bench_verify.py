@@ -34,7 +34,7 @@ COLS = (1, 2, 4, 8, 9, 13, 16)
 
 
 def gemv_columns(be, cfg, stream) -> list[dict]:
-    """Each GEMV of the step alone at `cols` columns: us per launch, median of 5 runs of 20."""
+    """Each GEMV of the step alone at `cols` columns: us per launch (us_per_launch)."""
     o = torch.ops.nanoqwen
     L = be.layers[0]
     H, I = cfg.hidden_size, cfg.intermediate_size
@@ -56,17 +56,23 @@ def gemv_columns(be, cfg, stream) -> list[dict]:
                  ("down", lambda: o.gemv_int4_residual(hid, xi, L.down_qw, L.down_sc)),
                  ("lm_head", lambda: o.gemv_fp16(lg, xh, be.lm_head))]
         for name, fn in cases:
-            ts = []
-            for _ in range(6):
-                s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s0.record(stream)
-                for _ in range(20):
-                    fn()
-                s1.record(stream)
-                s1.synchronize()
-                ts.append(s0.elapsed_time(s1) * 1e3 / 20)
-            rows.append(dict(op=name, cols=c, us=statistics.median(ts[1:])))
+            rows.append(dict(op=name, cols=c, us=us_per_launch(fn, stream)))
     return rows
+
+
+def us_per_launch(fn, stream, launches: int = 20, runs: int = 5) -> float:
+    """us per call of fn (which enqueues on `stream`): `runs` runs of `launches` back-to-back
+    calls between two CUDA events, after one warm-up run; the median run."""
+    ts = []
+    for _ in range(runs + 1):
+        s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s0.record(stream)
+        for _ in range(launches):
+            fn()
+        s1.record(stream)
+        s1.synchronize()
+        ts.append(s0.elapsed_time(s1) * 1e3 / launches)
+    return statistics.median(ts[1:])
 
 
 def main(argv=None) -> int:

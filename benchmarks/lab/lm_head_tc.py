@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -29,6 +28,8 @@ from pathlib import Path
 import torch
 
 LAB = Path(__file__).resolve().parent
+sys.path.insert(0, str(LAB.parent))
+from bench_verify import us_per_launch as timed  # noqa: E402  (benchmarks/, one timing helper)
 COLS = (1, 2, 4, 8, 9, 13, 16)
 
 
@@ -42,19 +43,6 @@ def build() -> ctypes.CDLL:
     lib.lm_head_tc.argtypes = [P, P, P, I, I, I, I, P]
     lib.lm_head_tc.restype = I
     return lib
-
-
-def timed(fn, stream) -> float:
-    runs = []
-    for _ in range(6):
-        s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s0.record(stream)
-        for _ in range(20):
-            fn()
-        s1.record(stream)
-        s1.synchronize()
-        runs.append(s0.elapsed_time(s1) * 1e3 / 20)
-    return statistics.median(runs[1:])
 
 
 def main(argv=None) -> int:
