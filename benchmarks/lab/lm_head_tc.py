@@ -13,6 +13,14 @@ and FMA-bound past them (342 / 358 / 599 / 1294 us at 1 / 4 / 8 / 16 columns in
 results/2026-12-06_bench_verify_7b_9cab2f3.json); on tensor cores the products cost nothing
 next to the 1.09 GB, so 345-380 us at every column count up to 16 (the second n8 tile's x loads
 may add a little past 8), its error ~1e-7 (fp32 sums in another order), argmax the same.
+Measured (results/2026-12-06_lab_lm_head_tc_3ba9530.json): 397 / 478 / 493 / 597 us at 1 / 4 /
+8 / 16 columns (U = 4), error 2.2e-6, columns bit-identical, no argmax differs. The one-column
+miss: 9504 tiles over 8448 warps, two waves, the second one eighth full.
+
+Prediction for the split-K variants (splitk2/4/8: each tile's K over 2, 4 or 8 warps, partials
+summed in shared memory in warp order; written before their first run, session 15): 345-370 us
+at every column count up to 16, the error of the same order, columns bit-identical; splitk4 or
+splitk8 best (more independent loads in flight per tile).
 """
 
 from __future__ import annotations
@@ -40,8 +48,9 @@ def build() -> ctypes.CDLL:
                     "-o", str(so)], check=True)
     lib = ctypes.CDLL(str(so))
     P, I = ctypes.c_void_p, ctypes.c_int
-    lib.lm_head_tc.argtypes = [P, P, P, I, I, I, I, P]
-    lib.lm_head_tc.restype = I
+    for name in ("lm_head_tc", "lm_head_tc_splitk"):
+        getattr(lib, name).argtypes = [P, P, P, I, I, I, I, P]
+        getattr(lib, name).restype = I
     return lib
 
 
@@ -64,17 +73,23 @@ def main(argv=None) -> int:
     w2 = wd ** 2
     rows = []
 
-    def tc(out, xs, unroll):
-        e = lib.lm_head_tc(out.data_ptr(), xs.data_ptr(), w.data_ptr(), n, k, xs.shape[0],
-                           unroll, sp)
+    # variants: (name, entry, its int argument): the unroll of the tile-per-warp kernel, the
+    # warps a tile of the split-K one
+    variants = [("tc_u4", lib.lm_head_tc, 4), ("tc_u8", lib.lm_head_tc, 8),
+                ("splitk2", lib.lm_head_tc_splitk, 2), ("splitk4", lib.lm_head_tc_splitk, 4),
+                ("splitk8", lib.lm_head_tc_splitk, 8)]
+
+    def launch(entry, arg, out, xs):
+        e = entry(out.data_ptr(), xs.data_ptr(), w.data_ptr(), n, k, xs.shape[0], arg, sp)
         if e:
             raise RuntimeError(f"lm_head_tc: CUDA error {e}")
 
-    singles = {}
-    for c in range(16):
-        o1 = torch.empty(1, n, device="cuda")
-        tc(o1, x[c:c + 1].contiguous(), 8)
-        singles[c] = o1[0]
+    singles = {}   # each variant's one-column outputs
+    for name, entry, arg in variants:
+        for c in range(16):
+            o1 = torch.empty(1, n, device="cuda")
+            launch(entry, arg, o1, x[c:c + 1].contiguous())
+            singles[name, c] = o1[0]
     for c in COLS:
         xs = x[:c].contiguous()
         ref = (xd := xs.double()) @ wd.T                                  # [c, n]
@@ -83,14 +98,14 @@ def main(argv=None) -> int:
         o.gemv_fp16(out_f, xs, w)
         row = dict(cols=c, fp16_fma_us=timed(lambda: o.gemv_fp16(out_f, xs, w), stream))
         row["fp16_fma_err"] = float((out_f.double() - ref).norm() / scale.norm())
-        for u in (4, 8):
+        for name, entry, arg in variants:
             out_t = torch.full((c, n), float("nan"), device="cuda")
-            tc(out_t, xs, u)
-            row[f"tc_u{u}_us"] = timed(lambda: tc(out_t, xs, u), stream)
-            row[f"tc_u{u}_err"] = float((out_t.double() - ref).norm() / scale.norm())
-            row[f"tc_u{u}_columns_bit_identical"] = all(torch.equal(out_t[i], singles[i])
-                                                        for i in range(c))
-            row[f"tc_u{u}_argmax_differs"] = int((out_t.argmax(1) != out_f.argmax(1)).sum())
+            launch(entry, arg, out_t, xs)
+            row[f"{name}_us"] = timed(lambda: launch(entry, arg, out_t, xs), stream)
+            row[f"{name}_err"] = float((out_t.double() - ref).norm() / scale.norm())
+            row[f"{name}_columns_bit_identical"] = all(torch.equal(out_t[i], singles[name, i])
+                                                       for i in range(c))
+            row[f"{name}_argmax_differs"] = int((out_t.argmax(1) != out_f.argmax(1)).sum())
         rows.append(row)
         print(" ".join(f"{key}={val:.3g}" if isinstance(val, float) else f"{key}={val}"
                        for key, val in row.items()), flush=True)

@@ -94,7 +94,97 @@ __global__ void __launch_bounds__(kWarps * 32) lm_head_tc_kernel(float* __restri
   }
 }
 
+// The same math with each 16-row tile's K split over KW warps of a block (8 / KW tiles a
+// block), their fp32 partials summed in shared memory in warp order: deterministic, and each
+// column's sum independent of nc. 9504 tiles of the 7B's lm_head make 9504 * KW warps of work
+// instead of lm_head_tc_kernel's 9504 (two waves over 8448 warps on an H100, the second one
+// eighth full).
+template <int NT, int U, int KW>
+__global__ void __launch_bounds__(kWarps * 32) lm_head_tc_splitk_kernel(float* __restrict__ out,
+                                                                        const half* __restrict__ x,
+                                                                        const half* __restrict__ w,
+                                                                        int n, int k, int nc) {
+  static_assert(kWarps % KW == 0, "whole tiles a block");
+  constexpr int TPB = kWarps / KW, NCOL = 8 * NT;
+  __shared__ float red[kWarps][16][NCOL];
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+  const int part = warp % KW, tib = warp / KW, tile = blockIdx.x * TPB + tib;
+  const int C = k >> 3, KB = k >> 5, tiles = (n + 15) >> 4;
+  const int kb0 = part * KB / KW, kb1 = (part + 1) * KB / KW;
+  const uint4* x4 = reinterpret_cast<const uint4*>(x);
+  float d[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
+  if (tile < tiles) {  // warp-uniform; the barrier below is outside it
+    const uint4* xc[NT];
+    bool ok[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      ok[nt] = nt * 8 + g < nc;
+      xc[nt] = x4 + (size_t)(ok[nt] ? nt * 8 + g : 0) * C + t;
+    }
+    const int ra = min(tile * 16 + g, n - 1), rb = min(tile * 16 + g + 8, n - 1);
+    const uint4* wa = reinterpret_cast<const uint4*>(w) + (size_t)ra * C + t;
+    const uint4* wb = reinterpret_cast<const uint4*>(w) + (size_t)rb * C + t;
+    for (int kb = kb0; kb < kb1; kb += U) {
+      uint4 va[U], vb[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (kb + u < kb1) {
+          va[u] = ld_stream(wa + (kb + u) * 4);
+          vb[u] = ld_stream(wb + (kb + u) * 4);
+        }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (kb + u < kb1) {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint4 xv = ok[nt] ? __ldg(xc[nt] + (kb + u) * 4) : make_uint4(0u, 0u, 0u, 0u);
+            mma16816(d[nt], va[u].x, vb[u].x, va[u].y, vb[u].y, xv.x, xv.y);
+            mma16816(d[nt], va[u].z, vb[u].z, va[u].w, vb[u].w, xv.z, xv.w);
+          }
+        }
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      red[warp][g][nt * 8 + 2 * t + e] = d[nt][e];
+      red[warp][g + 8][nt * 8 + 2 * t + e] = d[nt][2 + e];
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < TPB * 16 * nc; i += kWarps * 32) {
+    const int tb = i / (16 * nc), rem = i % (16 * nc), row = rem % 16, col = rem / 16;
+    const int r = (blockIdx.x * TPB + tb) * 16 + row;
+    if (r < n) {
+      float v = 0.f;
+#pragma unroll
+      for (int p = 0; p < KW; ++p) v += red[tb * KW + p][row][col];
+      out[(size_t)col * n + r] = v;
+    }
+  }
+}
+
 }  // namespace
+
+// lm_head_tc with K split over kw (2, 4 or 8) warps a tile; 0 on success.
+extern "C" int lm_head_tc_splitk(float* out, const half* x, const half* w, int n, int k, int nc,
+                                 int kw, cudaStream_t stream) {
+  if (n < 1 || k < 32 || k % 32 || nc < 1 || nc > 16 || (kw != 2 && kw != 4 && kw != 8))
+    return (int)cudaErrorInvalidValue;
+  const int tiles = (n + 15) / 16;
+  const dim3 grid((tiles + kWarps / kw - 1) / (kWarps / kw)), block(kWarps * 32);
+#define NQ_LMTC(NT, KW) \
+  lm_head_tc_splitk_kernel<NT, 4, KW><<<grid, block, 0, stream>>>(out, x, w, n, k, nc)
+  if (nc <= 8) {
+    if (kw == 2) NQ_LMTC(1, 2); else if (kw == 4) NQ_LMTC(1, 4); else NQ_LMTC(1, 8);
+  } else {
+    if (kw == 2) NQ_LMTC(2, 2); else if (kw == 4) NQ_LMTC(2, 4); else NQ_LMTC(2, 8);
+  }
+#undef NQ_LMTC
+  return (int)cudaGetLastError();
+}
 
 // 0 on success; a CUDA error otherwise (k % 32, nc 1..16, 16-byte alignment are the caller's).
 extern "C" int lm_head_tc(float* out, const half* x, const half* w, int n, int k, int nc,
