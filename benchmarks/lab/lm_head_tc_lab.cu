@@ -38,14 +38,14 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {  // weights: read o
 
 constexpr int kWarps = 8;
 
+// One 16-row tile's dot products over k32 blocks [kb0, kb1) into d (both kernels' math): lane
+// (g, t) streams its 16-byte chunk of rows g and g+8 (U blocks in flight) and takes the same
+// chunk of x columns 8nt + g (zeros past nc).
 template <int NT, int U>
-__global__ void __launch_bounds__(kWarps * 32) lm_head_tc_kernel(float* __restrict__ out,
-                                                                 const half* __restrict__ x,
-                                                                 const half* __restrict__ w,
-                                                                 int n, int k, int nc) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int warp = blockIdx.x * kWarps + (threadIdx.x >> 5), nwarps = gridDim.x * kWarps;
-  const int C = k >> 3, KB = k >> 5, tiles = (n + 15) >> 4;
+__device__ __forceinline__ void tile_dot(float (&d)[NT][4], const half* __restrict__ x,
+                                         const half* __restrict__ w, int tile, int n, int k,
+                                         int nc, int kb0, int kb1) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, C = k >> 3;
   const uint4* x4 = reinterpret_cast<const uint4*>(x);
   const uint4* xc[NT];
   bool ok[NT];
@@ -54,32 +54,43 @@ __global__ void __launch_bounds__(kWarps * 32) lm_head_tc_kernel(float* __restri
     ok[nt] = nt * 8 + g < nc;
     xc[nt] = x4 + (size_t)(ok[nt] ? nt * 8 + g : 0) * C + t;
   }
+  const int ra = min(tile * 16 + g, n - 1), rb = min(tile * 16 + g + 8, n - 1);
+  const uint4* wa = reinterpret_cast<const uint4*>(w) + (size_t)ra * C + t;
+  const uint4* wb = reinterpret_cast<const uint4*>(w) + (size_t)rb * C + t;
+  for (int kb = kb0; kb < kb1; kb += U) {
+    uint4 va[U], vb[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (kb + u < kb1) {
+        va[u] = ld_stream(wa + (kb + u) * 4);
+        vb[u] = ld_stream(wb + (kb + u) * 4);
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (kb + u < kb1) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint4 xv = ok[nt] ? __ldg(xc[nt] + (kb + u) * 4) : make_uint4(0u, 0u, 0u, 0u);
+          mma16816(d[nt], va[u].x, vb[u].x, va[u].y, vb[u].y, xv.x, xv.y);
+          mma16816(d[nt], va[u].z, vb[u].z, va[u].w, vb[u].w, xv.z, xv.w);
+        }
+      }
+  }
+}
+
+template <int NT, int U>
+__global__ void __launch_bounds__(kWarps * 32) lm_head_tc_kernel(float* __restrict__ out,
+                                                                 const half* __restrict__ x,
+                                                                 const half* __restrict__ w,
+                                                                 int n, int k, int nc) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = blockIdx.x * kWarps + (threadIdx.x >> 5), nwarps = gridDim.x * kWarps;
+  const int KB = k >> 5, tiles = (n + 15) >> 4;
   for (int tile = warp; tile < tiles; tile += nwarps) {
-    const int ra = min(tile * 16 + g, n - 1), rb = min(tile * 16 + g + 8, n - 1);
-    const uint4* wa = reinterpret_cast<const uint4*>(w) + (size_t)ra * C + t;
-    const uint4* wb = reinterpret_cast<const uint4*>(w) + (size_t)rb * C + t;
     float d[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
-    for (int kb = 0; kb < KB; kb += U) {
-      uint4 va[U], vb[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (kb + u < KB) {
-          va[u] = ld_stream(wa + (kb + u) * 4);
-          vb[u] = ld_stream(wb + (kb + u) * 4);
-        }
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (kb + u < KB) {
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const uint4 xv = ok[nt] ? __ldg(xc[nt] + (kb + u) * 4) : make_uint4(0u, 0u, 0u, 0u);
-            mma16816(d[nt], va[u].x, vb[u].x, va[u].y, vb[u].y, xv.x, xv.y);
-            mma16816(d[nt], va[u].z, vb[u].z, va[u].w, vb[u].w, xv.z, xv.w);
-          }
-        }
-    }
+    tile_dot<NT, U>(d, x, w, tile, n, k, nc, 0, KB);
     // lane (g, t): rows g, g+8 of columns 8nt + 2t, 2t+1
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -109,43 +120,12 @@ __global__ void __launch_bounds__(kWarps * 32) lm_head_tc_splitk_kernel(float* _
   __shared__ float red[kWarps][16][NCOL];
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
   const int part = warp % KW, tib = warp / KW, tile = blockIdx.x * TPB + tib;
-  const int C = k >> 3, KB = k >> 5, tiles = (n + 15) >> 4;
-  const int kb0 = part * KB / KW, kb1 = (part + 1) * KB / KW;
-  const uint4* x4 = reinterpret_cast<const uint4*>(x);
+  const int KB = k >> 5, tiles = (n + 15) >> 4;
   float d[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
-  if (tile < tiles) {  // warp-uniform; the barrier below is outside it
-    const uint4* xc[NT];
-    bool ok[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      ok[nt] = nt * 8 + g < nc;
-      xc[nt] = x4 + (size_t)(ok[nt] ? nt * 8 + g : 0) * C + t;
-    }
-    const int ra = min(tile * 16 + g, n - 1), rb = min(tile * 16 + g + 8, n - 1);
-    const uint4* wa = reinterpret_cast<const uint4*>(w) + (size_t)ra * C + t;
-    const uint4* wb = reinterpret_cast<const uint4*>(w) + (size_t)rb * C + t;
-    for (int kb = kb0; kb < kb1; kb += U) {
-      uint4 va[U], vb[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (kb + u < kb1) {
-          va[u] = ld_stream(wa + (kb + u) * 4);
-          vb[u] = ld_stream(wb + (kb + u) * 4);
-        }
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (kb + u < kb1) {
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const uint4 xv = ok[nt] ? __ldg(xc[nt] + (kb + u) * 4) : make_uint4(0u, 0u, 0u, 0u);
-            mma16816(d[nt], va[u].x, vb[u].x, va[u].y, vb[u].y, xv.x, xv.y);
-            mma16816(d[nt], va[u].z, vb[u].z, va[u].w, vb[u].w, xv.z, xv.w);
-          }
-        }
-    }
-  }
+  if (tile < tiles)  // warp-uniform; the barrier below is outside it
+    tile_dot<NT, U>(d, x, w, tile, n, k, nc, part * KB / KW, (part + 1) * KB / KW);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
