@@ -148,20 +148,31 @@ __global__ void __launch_bounds__(kWarps * 32) lm_head_tc_splitk_kernel(float* _
 
 }  // namespace
 
-// lm_head_tc with K split over kw (2, 4 or 8) warps a tile; 0 on success.
+// lm_head_tc with K split over kw (2, 4 or 8) warps a tile, `unroll` k32 blocks in flight (4;
+// with kw 8 also 2, 7 or 14); 0 on success.
 extern "C" int lm_head_tc_splitk(float* out, const half* x, const half* w, int n, int k, int nc,
-                                 int kw, cudaStream_t stream) {
+                                 int kw, int unroll, cudaStream_t stream) {
   if (n < 1 || k < 32 || k % 32 || nc < 1 || nc > 16 || (kw != 2 && kw != 4 && kw != 8))
+    return (int)cudaErrorInvalidValue;
+  if (unroll != 4 && !(kw == 8 && (unroll == 2 || unroll == 7 || unroll == 14)))
     return (int)cudaErrorInvalidValue;
   const int tiles = (n + 15) / 16;
   const dim3 grid((tiles + kWarps / kw - 1) / (kWarps / kw)), block(kWarps * 32);
-#define NQ_LMTC(NT, KW) \
-  lm_head_tc_splitk_kernel<NT, 4, KW><<<grid, block, 0, stream>>>(out, x, w, n, k, nc)
+#define NQ_LMTC(NT, U, KW) \
+  lm_head_tc_splitk_kernel<NT, U, KW><<<grid, block, 0, stream>>>(out, x, w, n, k, nc)
+#define NQ_LMTC_U(NT)                    \
+  if (kw == 2) NQ_LMTC(NT, 4, 2);        \
+  else if (kw == 4) NQ_LMTC(NT, 4, 4);   \
+  else if (unroll == 2) NQ_LMTC(NT, 2, 8);  \
+  else if (unroll == 7) NQ_LMTC(NT, 7, 8);  \
+  else if (unroll == 14) NQ_LMTC(NT, 14, 8); \
+  else NQ_LMTC(NT, 4, 8)
   if (nc <= 8) {
-    if (kw == 2) NQ_LMTC(1, 2); else if (kw == 4) NQ_LMTC(1, 4); else NQ_LMTC(1, 8);
+    NQ_LMTC_U(1);
   } else {
-    if (kw == 2) NQ_LMTC(2, 2); else if (kw == 4) NQ_LMTC(2, 4); else NQ_LMTC(2, 8);
+    NQ_LMTC_U(2);
   }
+#undef NQ_LMTC_U
 #undef NQ_LMTC
   return (int)cudaGetLastError();
 }
