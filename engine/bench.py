@@ -1,6 +1,7 @@
 """`nanoqwen bench`: prompt processing and token generation speed in llama-bench's terms.
 
     nanoqwen bench [--model FILE | --synthetic PRESET] [--backend auto|cuda|reference] [-d N] ...
+    nanoqwen bench [--model FILE] --spec ngram|draft [--draft FILE] [-n N] [-r R] ...
 
 For each decode mode of the backend: `-r` timed repetitions (after one warm-up) of: empty
 cache, prefill `-p` random prompt ids, then `-n` tokens (no stop ids), greedy unless a sampler
@@ -23,6 +24,15 @@ Each figure is the median over repetitions. `-d N` (llama-bench's depth) puts N 
 the cache before each repetition (untimed): TTFT is then the prompt's prefill after N cached
 tokens and the decode steps read N + p + i, the long-context figures; rows read "pp512 @ d8192".
 
+`--spec ngram|draft [--draft FILE]`: speculative decoding instead of the pp/tg rows, on the
+code-editing workload (engine/spec_workload.py: 12 requests rewriting code given in the
+prompt, 4 writing new code), each reply from an empty cache, at most -n tokens, to the
+tokenizer's stop ids; plain and speculative rows per request group and mode: the effective
+ms per token (decode time over the tokens after each reply's first), the same over the wall
+clock a consumer of the stream sees, drafted / accepted ids, tokens a verify step, the
+speedup over plain decoding and whether the greedy replies are identical (run_spec_bench).
+A random-weight model accepts nothing real: measure acceptance on a trained model.
+
 The model: `--model FILE` (default: the bundled model), loaded as `nanoqwen generate` loads it
 (engine/loader.py: "auto" is CUDA where it runs, else the reference backend on the CPU), or
 `--synthetic PRESET`: random weights made directly on the GPU (CUDA only; no file), the very
@@ -39,6 +49,7 @@ import subprocess
 import sys
 import time
 
+DEFAULT_N_PROMPT = 512    # -p
 COPY_BYTES = 512 * 2**20   # the copy_bandwidth buffer: far past the 50-60 MB L2 of Hopper
 COPY_REPS = 10
 
@@ -155,6 +166,111 @@ def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
     return rows
 
 
+def _spec_turn(backend, ids: list[int], params, n_gen: int, stop_ids, spec: str | None) -> dict:
+    """One reply from an empty cache with speculation `spec` (None: plain decoding): its ids,
+    the backend's decode time (step_ms of the tokens after the first: CUDA events per step in
+    plain decoding on the GPU, the wall clock around each verify step in speculation) and the
+    wall clock from the first token's arrival to the last's, as a consumer of the stream sees
+    it; the drafter's figures."""
+    backend.truncate(0)
+    backend.spec = spec
+    try:
+        events, t_first = [], None
+        for chunk in backend.generate_chunks(ids, params, n_gen, stop_ids, None, 0.0):
+            if t_first is None:
+                t_first = time.perf_counter()
+            events += chunk
+        wall_ms = (time.perf_counter() - t_first) * 1e3
+    finally:
+        backend.spec = None
+        backend.truncate(0)
+    st = dict(backend.spec_stats) if spec else {}
+    return dict(tokens=[e.token_id for e in events], decode_ms=sum(e.step_ms for e in events[1:]),
+                wall_ms=wall_ms, drafted=st.get("drafted", 0), accepted=st.get("accepted", 0),
+                verify_steps=st.get("verify_steps", 0))
+
+
+def run_spec_bench(backend, tokenizer, spec: str, n_gen: int, reps: int, modes: list[str],
+                   params=None) -> list[dict]:
+    """`nanoqwen bench --spec`: the code-editing workload (spec_workload: 12 requests that
+    rewrite code given in the prompt, 4 that write new code), each answered from an empty cache
+    with plain decoding and with `spec` (the backend's spec must be settable to it), at most
+    `n_gen` tokens a reply, stopping at the tokenizer's stop ids. Per mode and group ("edit12",
+    "new4") a plain row and a spec row; each figure is the median over `reps` repetitions (after
+    a warm-up turn per decoding) of the group's totals: ms_per_token = decode time / tokens
+    after each reply's first (the effective rate), wall_ms_per_token the same over the
+    consumer's wall clock; the spec row adds drafted / accepted ids, acceptance, tokens per
+    verify step (accepted + its own token, over the steps that verified drafts), speedup =
+    the plain row's wall_ms_per_token over its own, and `identical` (greedy: every reply the
+    plain reply token for token; None when sampling)."""
+    from .rates import median_ms, tokens_per_s
+    from .sampling import SamplerParams
+    from .spec_workload import requests
+
+    sampler = params if params is not None else SamplerParams.greedy_params()
+    if not sampler.greedy and sampler.seed < 0:
+        sampler = dataclasses.replace(sampler, seed=0)   # the same draws every repetition
+    prompts: dict[str, list[list[int]]] = {}
+    for kind, text in requests():
+        prompts.setdefault(kind, []).append(tokenizer.encode_chat([{"role": "user",
+                                                                    "content": text}]))
+    stop = tokenizer.stop_ids
+    rows = []
+    for mode in modes:
+        backend.mode = mode
+        for decoding in (None, spec):    # warm-up: graphs per verify length, cuBLAS handles
+            _spec_turn(backend, prompts["edit"][0], sampler, n_gen, stop, decoding)
+        for kind, group in prompts.items():
+            runs = {None: [], spec: []}   # per repetition: one turn per request
+            for _ in range(reps):
+                for decoding in (None, spec):
+                    runs[decoding].append([_spec_turn(backend, ids, sampler, n_gen, stop,
+                                                      decoding) for ids in group])
+            plain_ids = [t["tokens"] for t in runs[None][0]]
+            common = dict(model=backend.config.name, backend=backend.name,
+                          device=backend.device_name, mode=mode, reps=reps,
+                          sampler=sampler_label(sampler), requests=len(group))
+            for decoding in (None, spec):
+                per_rep = runs[decoding]
+                n_dec = [sum(len(t["tokens"]) - 1 for t in rep) for rep in per_rep]
+                ms = median_ms([sum(t["decode_ms"] for t in rep) / max(1, n)
+                                for rep, n in zip(per_rep, n_dec)])
+                wall = median_ms([sum(t["wall_ms"] for t in rep) / max(1, n)
+                                  for rep, n in zip(per_rep, n_dec)])
+                test = f"{kind}{len(group)} tg{n_gen}" + (f" spec={spec}" if decoding else "")
+                row = dict(common, test=test, spec=decoding, n_generated=sum(
+                    len(t["tokens"]) for t in per_rep[0]), ms_per_token=ms,
+                    wall_ms_per_token=wall, tokens_per_s=tokens_per_s(1, wall))
+                if decoding:
+                    first = per_rep[0]
+                    drafted = sum(t["drafted"] for t in first)
+                    accepted = sum(t["accepted"] for t in first)
+                    steps = sum(t["verify_steps"] for t in first)
+                    row.update(drafted=drafted, accepted=accepted,
+                               acceptance=accepted / drafted if drafted else None,
+                               tokens_per_verify_step=(accepted + steps) / steps if steps else None,
+                               speedup=rows[-1]["wall_ms_per_token"] / wall,
+                               identical=(all([t["tokens"] for t in rep] == plain_ids
+                                              for rep in per_rep) if sampler.greedy else None))
+                rows.append(row)
+    return rows
+
+
+def format_spec_table(rows: list[dict]) -> str:
+    lines = ["| model | backend | mode | test | tokens | ms/token | wall ms/token | t/s | x plain "
+             "| drafted | accepted | tokens a verify step | identical |", "|" + " --- |" * 13]
+    for r in rows:
+        sp = r["spec"] is not None
+        f = lambda key, fmt: (format(r[key], fmt) if sp and r.get(key) is not None  # noqa: E731
+                              else "-")
+        lines.append(f"| {r['model']} | {r['backend']} | {r['mode']} | {r['test']} "
+                     f"| {r['n_generated']} | {r['ms_per_token']:.3f} | {r['wall_ms_per_token']:.3f} "
+                     f"| {r['tokens_per_s']:.1f} | {f('speedup', '.2f')} | {f('drafted', 'd')} "
+                     f"| {f('accepted', 'd')} | {f('tokens_per_verify_step', '.2f')} "
+                     f"| {r['identical'] if sp and r['identical'] is not None else '-'} |")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict], size_bytes: int) -> str:
     copy = next((r["copy_gb_per_s"] for r in rows if "copy_gb_per_s" in r), None)
     head = ("| model | size | backend | mode | test | t/s | TTFT ms | ms/token | GB/s "
@@ -207,6 +323,20 @@ def cli_bench(args) -> int:
         bad = [m for m in modes if m not in MODES]
         if not modes or bad:
             raise NanoqwenError(f"--mode {args.mode!r}: use a comma list of {', '.join(MODES)}")
+    spec = getattr(args, "spec", None)
+    if getattr(args, "draft", None) is not None and spec != "draft":
+        raise NanoqwenError("--draft FILE goes with --spec draft")
+    if spec == "draft" and args.draft is None:
+        raise NanoqwenError("--spec draft needs --draft FILE (a .nanoqwen of the same tokenizer)")
+    if spec and args.synthetic:
+        raise NanoqwenError("--spec answers the code-editing requests, which are text: bench a "
+                            "file with its tokenizer (`nanoqwen convert --synthetic PRESET "
+                            "--tokenizer tokenizer.json -o FILE` makes one of random weights)")
+    if spec and (args.depth or args.n_prompt is not None):
+        raise NanoqwenError("-p and -d do not apply to --spec: its prompts are the workload's "
+                            "requests, each answered from an empty cache")
+    if args.n_prompt is None:
+        args.n_prompt = DEFAULT_N_PROMPT
     for name in ("n_prompt", "n_gen", "repetitions"):
         if getattr(args, name) < 1:
             raise NanoqwenError(f"--{name.replace('_', '-')} must be at least 1")
@@ -216,7 +346,7 @@ def cli_bench(args) -> int:
 
     # a repetition forwards the cached context and the prompt and makes n decode steps: d + p + n
     # positions (the last of its n + 1 tokens is sampled, not forwarded); the cache gets 16
-    # more where the model has them
+    # more where the model has them. --spec: its longest request and n (bench_positions)
     positions = args.depth + args.n_prompt + args.n_gen
     t0 = time.perf_counter()
     loaded = None
@@ -239,7 +369,9 @@ def cli_bench(args) -> int:
         path = args.model or loader.default_model_path()
         with open_model(path) as mf:  # the header only: the context the model allows
             cfg = mf.config
-        cfg.check_context(positions, "-d + -p + -n")
+            if spec:
+                positions = _spec_positions(mf, args.n_gen)
+        cfg.check_context(positions, "the longest request + -n" if spec else "-d + -p + -n")
         loaded = loader.load(path, backend=args.backend, max_context=_cache_size(positions, cfg),
                              threads=args.threads)
         backend = loaded.backend
@@ -255,6 +387,8 @@ def cli_bench(args) -> int:
         if missing:
             raise NanoqwenError(f"--mode {','.join(missing)}: the {backend.name} backend has "
                                 f"only {', '.join(backend.modes)}")
+        if spec:
+            return _cli_spec_bench(args, loaded, source, modes, params, load_s)
         rows = run_bench(backend, args.n_prompt, args.n_gen, args.repetitions, modes,
                          params=params, depth=args.depth)
         prefill = getattr(backend, "prefill_weights", None)
@@ -276,6 +410,53 @@ def cli_bench(args) -> int:
     finally:
         if loaded is not None:
             loaded.close()
+    return 0
+
+
+def _spec_positions(mf, n_gen: int) -> int:
+    """--spec's context: the longest workload request (chat-formatted) + n_gen."""
+    from .spec_workload import requests
+    from .tokenizer import Tokenizer
+
+    tok = Tokenizer.from_model_file(mf)
+    return max(len(tok.encode_chat([{"role": "user", "content": text}]))
+               for _, text in requests()) + n_gen
+
+
+def _cli_spec_bench(args, loaded, source: str, modes: list[str], params, load_s: float) -> int:
+    from . import loader
+    from .cli import write_stdout
+    from .errors import NanoqwenError
+
+    backend = loaded.backend
+    draft = None
+    if args.spec == "draft":
+        draft = loader.load_draft(args.draft, backend, loaded.tokenizer, source)
+        backend.draft_backend = draft.backend
+    try:
+        try:
+            backend.spec = args.spec   # refused here, before any turn, if it cannot
+        except ValueError as e:
+            raise NanoqwenError(f"--spec {args.spec}: {e}") from e
+        backend.spec = None
+        rows = run_spec_bench(backend, loaded.tokenizer, args.spec, args.n_gen, args.repetitions,
+                              modes, params=params)
+    finally:
+        backend.draft_backend = None
+        if draft is not None:
+            draft.close()
+    head = dict(source=source, backend=backend.name, device=backend.device_name,
+                commit=_commit(), load_s=load_s, spec=args.spec,
+                draft=str(args.draft) if draft else None, n_gen=args.n_gen,
+                sampler=rows[0]["sampler"], date=time.strftime("%Y-%m-%d"))
+    if args.json:
+        write_stdout(json.dumps(dict(head, rows=rows), indent=2) + "\n")
+    else:
+        write_stdout(f"# {source} on {backend.device_name} ({backend.name} backend), commit "
+                     f"{head['commit']}, {head['date']}, spec {args.spec}"
+                     + (f" (draft {args.draft})" if draft else "")
+                     + f", medians of {args.repetitions} reps, sampler {head['sampler']}\n")
+        write_stdout(format_spec_table(rows) + "\n")
     return 0
 
 

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stats", action="store_true", help="print timing to stderr at the end")
     g.add_argument("--spec", choices=("off",) + SPEC_MODES, default="off",
                    help="speculative decoding: ngram = prompt lookup, draft = a draft model "
-                        "(--draft); the reference backend for now")
+                        "(--draft); both backends")
     g.add_argument("--draft", default=None, metavar="FILE",
                    help="the draft model of --spec draft (a .nanoqwen of the same tokenizer)")
     add_sampler_args(g)
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = b.add_mutually_exclusive_group()
     src.add_argument("--model", "-m", help="a .nanoqwen file (default: the bundled model)")
     src.add_argument("--synthetic", metavar="PRESET", help="random weights on the GPU (CUDA)")
-    b.add_argument("-p", "--n-prompt", type=int, default=512)
+    b.add_argument("-p", "--n-prompt", type=int, default=None, help="prompt tokens (default 512)")
     b.add_argument("-n", "--n-gen", type=int, default=128)
     b.add_argument("-r", "--repetitions", type=int, default=5)
     b.add_argument("-d", "--depth", type=int, default=0,
@@ -117,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-t", "--threads", type=int, default=None,
                     help="CPU threads of the reference backend (default: one per core)")
     b.add_argument("--json", action="store_true")
+    b.add_argument("--spec", choices=SPEC_MODES, default=None,
+                   help="speculative decoding on the code-editing workload (engine/"
+                        "spec_workload.py): plain and speculative rows per request group, "
+                        "-n tokens a reply at most; needs a file with its tokenizer")
+    b.add_argument("--draft", default=None, metavar="FILE", help="the draft model of --spec draft")
     add_sampler_args(b)  # decode samples greedily unless one is given (bench.bench_sampler)
     return ap
 

@@ -107,3 +107,18 @@ def load(path: str | Path | None = None, backend: str = "auto", mode: str = "gra
     except BaseException:
         mf.close()
         raise
+
+
+def load_draft(path: str | Path, backend: Backend, tokenizer: Tokenizer,
+               target_name: str) -> LoadedEngine:
+    """The draft model of speculative decoding (spec "draft"): `path` loaded on the kind of
+    `backend` (the target's), refused (NanoqwenError, the file closed) unless its tokenizer is the
+    target's -- a draft proposes ids, so both must mean the same text by them. The caller
+    sets `backend.draft_backend` to the result's backend and closes it with the target."""
+    d = load(path, backend=backend.name)
+    if not tokenizer.same_vocabulary(d.tokenizer):
+        d.close()
+        raise NanoqwenError(f"the draft model {path} has another tokenizer than "
+                            f"{target_name}: a draft model needs the same vocabulary")
+    return d
+

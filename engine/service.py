@@ -213,11 +213,7 @@ class EngineService:
 
         if "draft" not in self.backend.spec_modes:
             self.backend.spec = "draft"   # raises: what this backend has
-        d = loader.load(path, backend=self.backend.name)
-        if not self.tokenizer.same_vocabulary(d.tokenizer):
-            d.close()
-            raise NanoqwenError(f"the draft model {path} has another tokenizer than "
-                                f"{self.info.path}: a draft model needs the same vocabulary")
+        d = loader.load_draft(path, self.backend, self.tokenizer, str(self.info.path))
         self._close_draft()
         self._draft = d
         self.backend.draft_backend = d.backend

@@ -355,3 +355,66 @@ def test_cli_draft_flags_are_checked(capsys, args, says):
                  "--prompt", "hi", *args]) == 1
     err = capsys.readouterr().err
     assert says in err, err
+
+
+# --- nanoqwen bench --spec --------------------------------------------------------------------
+def test_bench_spec_rows_on_the_code_edit_workload(capsys):
+    """`nanoqwen bench --spec ngram` on the bundled model (trained: its acceptance is real):
+    per request group a plain and a spec row; greedy replies identical; the counts add up
+    (accepted <= drafted, tokens a verify step = (accepted + steps) / steps >= 1); on the edit
+    requests some drafts are kept (a code edit repeats its input). No figure is asserted on
+    this machine's speed: only that the rates are the tokens over the times given."""
+    import json
+
+    from nanoqwen.engine.cli import main
+    from nanoqwen.engine.spec_workload import requests
+
+    if not MODEL.is_file():
+        pytest.skip("the bundled model is absent")
+    assert main(["bench", "--backend", "reference", "--spec", "ngram", "-n", "24", "-r", "1",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["spec"] == "ngram" and out["draft"] is None and out["n_gen"] == 24
+    kinds = [k for k, _ in requests()]
+    groups = [f"edit{kinds.count('edit')}", f"new{kinds.count('new')}"]
+    rows = out["rows"]
+    assert [r["test"] for r in rows] == [f"{g} tg24{s}" for g in groups
+                                         for s in ("", " spec=ngram")]
+    for plain, spec in zip(rows[::2], rows[1::2]):
+        assert plain["spec"] is None and spec["spec"] == "ngram"
+        assert spec["identical"] is True and spec["n_generated"] == plain["n_generated"]
+        assert 0 <= spec["accepted"] <= spec["drafted"]
+        assert spec["tokens_per_s"] == pytest.approx(1e3 / spec["wall_ms_per_token"])
+        assert spec["speedup"] == pytest.approx(plain["wall_ms_per_token"]
+                                                / spec["wall_ms_per_token"])
+        if spec["tokens_per_verify_step"] is not None:
+            assert spec["tokens_per_verify_step"] >= 1
+    assert rows[1]["accepted"] > 0, rows[1]   # the edits
+
+
+def test_bench_spec_draft_and_refusals(tiny_model_path, capsys):
+    """--spec draft with the model itself as its draft: every greedy draft is the target's own
+    pick, so nearly all are kept (a multi-token forward may flip a near-tie in fp32); and the
+    refusals, each one line before any work."""
+    import json
+
+    from nanoqwen.engine.cli import main
+
+    if not MODEL.is_file():
+        pytest.skip("the bundled model is absent")
+    assert main(["bench", "--backend", "reference", "--spec", "draft", "--draft", str(MODEL),
+                 "-n", "12", "-r", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["draft"] == str(MODEL)
+    for spec in out["rows"][1::2]:
+        assert spec["identical"] is True and spec["accepted"] >= 0.9 * spec["drafted"] > 0, spec
+    for args, says in [
+            (["--spec", "draft"], "--spec draft needs --draft FILE"),
+            (["--draft", str(MODEL)], "--draft FILE goes with --spec draft"),
+            (["--spec", "ngram", "--synthetic", "7b"], "--spec answers the code-editing requests"),
+            (["--spec", "ngram", "-p", "64"], "-p and -d do not apply to --spec"),
+            (["--spec", "ngram", "-d", "64"], "-p and -d do not apply to --spec"),
+            (["--spec", "draft", "--draft", str(tiny_model_path)], "has another tokenizer than")]:
+        assert main(["bench", "--backend", "reference", *args]) == 1, args
+        err = capsys.readouterr().err
+        assert says in err and len(err.splitlines()) == 1, (args, err)
