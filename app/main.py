@@ -74,6 +74,14 @@ class ModelFailed(Message):
         self.unavailable = unavailable
 
 
+class DraftReady(Message):
+    """The worker's answer to a draft model setting: `error` None when `path` drafts now."""
+
+    def __init__(self, path: Path, error: str | None) -> None:
+        super().__init__()
+        self.path, self.error = path, error
+
+
 class LoadProgress(Message):
     def __init__(self, done: int, total: int, what: str) -> None:
         super().__init__()
@@ -254,11 +262,45 @@ class NanoqwenApp(App[None]):
             return
         want = self.settings.speculation
         have = self.engine.info.spec_modes
+        if want == "draft" and want in have:
+            # a model file to load (seconds on a big one): in a worker; replies decode as
+            # before until it is ready
+            self._load_draft(self.engine, Path(self.settings.draft_model).expanduser())
+            return
         self.engine.set_spec(want if want in have else None)
         if want != "off" and want not in have and loaded:
             self.notify(f"{SPECULATION_NAMES[want].capitalize()} is not available on the "
                         f"{self.engine.info.backend} backend yet; replies decode one token "
                         "per step", title="Speculative decoding", severity="warning", timeout=8)
+
+    @work(thread=True, group="draft", exclusive=True, exit_on_error=False)
+    def _load_draft(self, engine: EngineService, path: Path) -> None:
+        from nanoqwen.engine.errors import NanoqwenError
+
+        if engine.draft_path is not None and engine.draft_path == path.resolve():
+            engine.set_spec("draft", draft=path)   # loaded already: nothing to say
+            return
+        try:
+            engine.set_spec("draft", draft=path)
+        except (NanoqwenError, ValueError) as e:
+            error = str(e)
+        except Exception as e:  # noqa: BLE001 - an unusable file must not become a traceback
+            error = f"{type(e).__name__}: {e}"
+        else:
+            error = None
+        self.post_message(DraftReady(path, error))
+
+    def on_draft_ready(self, m: DraftReady) -> None:
+        if m.error is not None and self.engine is not None \
+                and self.settings.speculation == "draft" \
+                and Path(self.settings.draft_model).expanduser() == m.path:
+            self.engine.set_spec(None)   # plainly rather than with an earlier draft model
+        if m.error is None:
+            self.notify(f"Drafting with {m.path.name}", title="Speculative decoding")
+        else:
+            self.notify(f"Could not use the draft model {m.path}: {m.error}\n\nReplies "
+                        "decode one token per step; pick another file in the settings.",
+                        title="Speculative decoding", severity="error", timeout=12)
 
     def toggle_mode(self) -> None:
         b = self.engine

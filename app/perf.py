@@ -275,7 +275,10 @@ class PerfPanel(Vertical):
         if last is not None and last.spec:
             # speculation: the effective rate above; here how much of the drafting was kept
             kept = f"{100 * last.n_accepted / last.n_drafted:.0f}%" if last.n_drafted else "—"
-            spec = (f"\n{_INDENT}{kept} [dim]of {last.n_drafted} drafted kept "
+            per = last.tokens_per_verify_step
+            per = "—" if per is None else f"{per:.1f}"   # counts, not timing: never frozen
+            spec = (f"\n{_INDENT}{per} [dim]tokens a verify step[/]"
+                    f"\n{_INDENT}{kept} [dim]of {last.n_drafted} drafted kept "
                     f"({SPECULATION_NAMES.get(last.spec, last.spec)})[/]")
         put("perf-decode",
             f"decode    {fmt(self.decode_tokens_per_s, 'tok/s')}{tag}\n"

@@ -123,6 +123,11 @@ class SettingsScreen(_FitsTerminal, ModalScreen[Settings | None]):
                                  value=s.speculation if s.speculation in spec_offered else "off",
                                  allow_blank=False, id="speculation", compact=True)
                     yield Static(self._spec_hint(), classes="hint", id="speculation-error")
+                    yield Label(LABELS["draft_model"])
+                    yield Input(s.draft_model, id="draft_model", compact=True,
+                                select_on_focus=False, placeholder="path to a .nanoqwen file")
+                    yield Static("[dim]for draft model: a smaller model of the same "
+                                 "tokenizer[/]", classes="hint", id="draft_model-error")
                 yield Label(LABELS["system_prompt"] + " for new chats [dim](empty: the model's "
                             "default; a chat's own: ctrl+o, ctrl+e)[/]")
                 yield TextArea(s.system_prompt, id="system_prompt", compact=True)
@@ -159,6 +164,7 @@ class SettingsScreen(_FitsTerminal, ModalScreen[Settings | None]):
         # a backend without speculation offers only off: the saved choice stays
         f["speculation"] = picked if self.spec_modes is None or self.spec_modes \
             else self.settings.speculation
+        f["draft_model"] = self.query_one("#draft_model", Input).value.strip()
         f["system_prompt"] = self.query_one("#system_prompt", TextArea).text
         return f
 

@@ -24,9 +24,10 @@ from nanoqwen.engine.sampling import SamplerParams, is_int, sampler_problems
 from nanoqwen.engine.service import MODES
 
 DECODE_MODES = MODES  # the engine's decode modes (engine/service.py)
-# speculative decoding: off, or a drafter of engine/spec.py ("ngram": prompt lookup)
-SPECULATION = ("off", "ngram")  # the app offers no draft model (nanoqwen generate does)
-SPECULATION_NAMES = {"off": "off", "ngram": "prompt lookup"}
+# speculative decoding: off, or a drafter of engine/spec.py ("ngram": prompt lookup, "draft":
+# the model file draft_model, a smaller one of the same tokenizer)
+SPECULATION = ("off", "ngram", "draft")
+SPECULATION_NAMES = {"off": "off", "ngram": "prompt lookup", "draft": "draft model"}
 # the perf panel: beside the chat, a one-line summary under it, or hidden (F3 cycles; a
 # terminal too narrow for "full" shows "line")
 PERF_PANEL = ("full", "line", "hidden")
@@ -58,6 +59,7 @@ LABELS = {
     "system_prompt": "System prompt",
     "decode_mode": "Decode mode",
     "speculation": "Speculative decoding",
+    "draft_model": "Draft model",
     "model_sampler": "Sampler from the model",
     "cpu_threads": "CPU threads",
     "perf_panel": "Perf panel",
@@ -78,6 +80,7 @@ class Settings:
     system_prompt: str = ""          # empty: the model's chat template default
     decode_mode: str = "graph"       # wanted mode; a backend without it runs its only mode
     speculation: str = "off"         # wanted; a backend without it decodes plainly
+    draft_model: str = ""            # the .nanoqwen file of speculation "draft"
     last_model: str | None = None    # the model to open next time
     cpu_threads: int = 0             # the CPU backend's threads; 0: one per core
     perf_panel: str = "full"         # PERF_PANEL; F3 in the chat cycles it
@@ -123,6 +126,11 @@ class Settings:
         need(self.perf_panel in PERF_PANEL, "perf_panel", f"must be one of {', '.join(PERF_PANEL)}")
         need(self.speculation in SPECULATION, "speculation",
              f"must be one of {', '.join(SPECULATION)}")
+        need(isinstance(self.draft_model, str), "draft_model", "must be a file path")
+        need(self.speculation != "draft" or (isinstance(self.draft_model, str)
+                                              and self.draft_model.strip() != ""),
+             "draft_model", "is needed for speculation with a draft model: a .nanoqwen file "
+             "of the same tokenizer")
         if errors:
             raise SettingsError(errors)
         return self

@@ -124,5 +124,6 @@ def spec_line(s: StatsUpdate) -> str:
     """--stats' speculation line: drafted, accepted, acceptance, effective ms per token."""
     rate = f"{100 * s.n_accepted / s.n_drafted:.0f}%" if s.n_drafted else "-"
     eff = _num(1e3 / s.tokens_per_s if s.tokens_per_s else None, ".2f", "ms/token")
-    return (f"spec {s.spec}: drafted {s.n_drafted}, accepted {s.n_accepted} ({rate}); "
-            f"effective {eff} (decode time / tokens after the first)")
+    per = _num(s.tokens_per_verify_step, ".2f", "tokens")
+    return (f"spec {s.spec}: drafted {s.n_drafted}, accepted {s.n_accepted} ({rate}), "
+            f"{per} a verify step; effective {eff} (decode time / tokens after the first)")

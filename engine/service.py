@@ -71,9 +71,16 @@ class StatsUpdate:
     n_prompt: int | None = None                # final only: tokens of the rendered prompt
     n_prefilled: int | None = None             # final only: of those, forwarded this turn
     prefill_tokens_per_s: float | None = None  # final only: n_prefilled / TTFT
-    spec: str | None = None                    # final only: speculative decoding (spec.py)
-    n_drafted: int = 0                         # final only: ids drafted
-    n_accepted: int = 0                        # final only: of those, kept
+    spec: str | None = None                    # speculative decoding (spec.py) of the turn
+    n_drafted: int = 0                         # ids drafted, the turn so far
+    n_accepted: int = 0                        # of those, kept
+    n_verify_steps: int = 0                    # multi-token forwards that verified drafts
+
+    @property
+    def tokens_per_verify_step(self) -> float | None:
+        """Tokens a step that verified drafts gave: its kept drafts and one of its own."""
+        return ((self.n_accepted + self.n_verify_steps) / self.n_verify_steps
+                if self.n_verify_steps else None)
 
 
 @dataclass(frozen=True)
@@ -147,6 +154,7 @@ class EngineService:
         self._cancel = threading.Event()       # the latest submit's
         self.transcript = None                 # session.Transcript of the cached conversation
         self._draft = None                     # loader.LoadedEngine of spec "draft"
+        self._draft_path: Path | None = None   # its file, resolved
 
     # --- loading ------------------------------------------------------------------------
     @classmethod
@@ -181,7 +189,7 @@ class EngineService:
         if self._draft is not None:
             self.backend.draft_backend = None
             self._draft.close()
-            self._draft = None
+            self._draft = self._draft_path = None
 
     # --- decode mode ----------------------------------------------------------------------
     @property
@@ -202,21 +210,35 @@ class EngineService:
         """Speculative decoding for the next turns: None (off) or one of the backend's
         spec_modes ("ngram": prompt lookup; "draft": the model file `draft`, loaded on the
         same backend, drafts; engine/spec.py). Raises ValueError naming what the backend has
-        (both backends verify both), NanoqwenError for a draft
-        file that cannot be loaded or whose tokenizer is not the model's."""
+        (both backends verify both), NanoqwenError for a draft file that cannot be loaded or
+        whose tokenizer is not the model's; either way nothing changes.
+        A draft file is loaded once: the same file again keeps the loaded one, and turning
+        speculation off keeps it for later (it goes with another draft file or close()).
+        Loading one takes as long as loading a model, so callers with a UI call this from a
+        worker thread; a turn running meanwhile keeps its own drafter (the old draft model
+        is closed only after it ends)."""
         if spec == "draft" and draft is not None:
             self._open_draft(Path(draft))
         self.backend.spec = spec
+
+    @property
+    def draft_path(self) -> Path | None:
+        """The loaded draft model's file (spec "draft"), None without one."""
+        return self._draft_path
 
     def _open_draft(self, path: Path) -> None:
         from . import loader
 
         if "draft" not in self.backend.spec_modes:
             self.backend.spec = "draft"   # raises: what this backend has
+        if self._draft is not None and self._draft_path == path.resolve():
+            return
         d = loader.load_draft(path, self.backend, self.tokenizer, str(self.info.path))
-        self._close_draft()
-        self._draft = d
-        self.backend.draft_backend = d.backend
+        with self._lock:   # not while a turn drafts with the old one
+            old, self._draft, self._draft_path = self._draft, d, path.resolve()
+            self.backend.draft_backend = d.backend
+        if old is not None:
+            old.close()
 
     # --- generation -------------------------------------------------------------------------
     def count_tokens(self, history: list[dict], system_prompt: str = "") -> int:
@@ -402,7 +424,8 @@ class _StatsAccumulator:
                             tuple(self.new), f.n_generated, f.kv_len, f.max_context, f.mode,
                             final=True, n_prompt=f.n_prompt, n_prefilled=f.n_prefilled,
                             prefill_tokens_per_s=f.prefill_tokens_per_s, spec=f.spec,
-                            n_drafted=f.n_drafted, n_accepted=f.n_accepted, **rolling)
+                            n_drafted=f.n_drafted, n_accepted=f.n_accepted,
+                            n_verify_steps=f.n_verify_steps, **rolling)
         else:
             be = self.backend
             sst = be.spec_stats if be.spec else {}   # the turn's so far
@@ -410,7 +433,8 @@ class _StatsAccumulator:
                             tokens_per_s(self.n_steps, self.total_ms),
                             tuple(self.new), self.n, len(be.kv_tokens), be.max_context,
                             be.mode, spec=be.spec, n_drafted=sst.get("drafted", 0),
-                            n_accepted=sst.get("accepted", 0), **rolling)
+                            n_accepted=sst.get("accepted", 0),
+                            n_verify_steps=sst.get("verify_steps", 0), **rolling)
         self.new = []
         self.dirty = False
         return u

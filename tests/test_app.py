@@ -34,6 +34,7 @@ from nanoqwen.app.widgets import AssistantMessage, CodeFence, PromptInput, UserM
 from nanoqwen.engine import loader
 from nanoqwen.engine.sampling import SamplerParams
 from nanoqwen.engine.session import ChatSession, TextDelta
+from textual.widgets import Input
 
 SIZE = (110, 32)
 
@@ -625,15 +626,63 @@ async def test_speculation_setting_gives_the_same_reply_and_shows_what_was_kept(
         assert 0 <= st["n_accepted"] <= st["n_drafted"]
         decode = str(app.chat.perf.query_one("#perf-decode").render())
         assert f"of {st['n_drafted']} drafted kept (prompt lookup)" in decode, decode
+        if st["n_verify_steps"]:   # the tokens a verify step gave: kept drafts + its own
+            per = (st["n_accepted"] + st["n_verify_steps"]) / st["n_verify_steps"]
+            assert f"{per:.1f} tokens a verify step" in decode, decode
         await pilot.press("ctrl+s")
         await pilot.pause()
         select = app.screen.query_one("#speculation")
-        assert [o[1] for o in select._options] == ["off", "ngram"] and select.value == "ngram"
+        assert [o[1] for o in select._options] == ["off", "ngram", "draft"]
+        assert select.value == "ngram"
         select.value = "off"
         await pilot.press("ctrl+s")
         await pilot.pause()
         assert app.engine.spec is None and app.settings.speculation == "off"
     assert json.loads(default_settings_path().read_text())["speculation"] == "off"
+
+
+@aio
+async def test_a_draft_model_setting_drafts_or_says_why_not(dirs, tiny_model_path, tmp_path):
+    """Speculation with a draft model: the model file as its own draft (the same tokenizer)
+    drafts in a worker and the reply is the greedy one token for token; a file of another
+    tokenizer (the bundled model's) or a missing file is refused with a notification naming
+    it, and replies decode plainly; the settings screen wants a file for "draft model"."""
+    from nanoqwen.engine.service import default_model_path
+
+    n = 60
+    use_settings(max_new_tokens=n, speculation="draft", draft_model=str(tiny_model_path))
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        await wait_for(pilot, lambda: app.engine.spec == "draft", 60, "the draft model")
+        assert app.engine.draft_path == tiny_model_path.resolve()
+        assert any("Drafting with tiny.nanoqwen" in m for m in notes(app)), notes(app)
+        text = "def add(a, b): return a + b"
+        widget = await send(app, pilot, text)
+        await reply_done(app, pilot)
+        assert widget.source == greedy_reply(tiny_model_path, [], text, n)
+        st = app.store.messages(app.chat.chat_id)[1].stats
+        assert st["spec"] == "draft" and st["n_drafted"] > 0 and st["n_verify_steps"] > 0
+        for bad, says in [(default_model_path(), "has another tokenizer than"),
+                          (tmp_path / "missing.nanoqwen", "does not exist")]:
+            app.settings = use_settings(max_new_tokens=n, speculation="draft",
+                                        draft_model=str(bad))
+            app._apply_speculation()
+            await wait_for(pilot, lambda: any(says in m for m in notes(app)), 60, says)
+            await pilot.pause(0.05)
+            assert any(f"Could not use the draft model {bad}" in m for m in notes(app))
+            assert app.engine.spec is None     # plainly, not with the earlier draft model
+        # the settings screen: "draft model" without a file is refused on the field
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert isinstance(app.screen, SettingsScreen)
+        app.screen.query_one("#speculation").value = "draft"
+        app.screen.query_one("#draft_model", Input).value = " "
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert isinstance(app.screen, SettingsScreen)
+        hint = str(app.screen.query_one("#draft_model-error").render())
+        assert "Draft model is needed" in hint, hint
 
 
 @aio
