@@ -27,26 +27,16 @@ import statistics
 import sys
 import time
 
-from nanoqwen.engine.spec_workload import requests  # noqa: E402  (the one workload)
+from nanoqwen.engine.bench import spec_turn
+from nanoqwen.engine.spec_workload import requests  # the one workload
 
 
 def turn(be, ids, params, n, stop_ids, spec) -> dict:
-    be.truncate(0)
-    be.spec = spec
-    try:
-        steps = []
-        t0 = time.perf_counter()
-        for chunk in be.generate_chunks(ids, params, n, stop_ids, None, 0.0):
-            steps += chunk
-        wall = time.perf_counter() - t0
-    finally:
-        be.spec = None
-    decode = [e.step_ms for e in steps[1:]]
-    st = dict(be.spec_stats) if spec else {}
-    return dict(tokens=[e.token_id for e in steps], n=len(steps),
-                ms_per_token=(sum(decode) / len(decode)) if decode else None,
-                ttft_ms=steps[0].step_ms, wall_s=wall, drafted=st.get("drafted", 0),
-                accepted=st.get("accepted", 0), verify_steps=st.get("verify_steps", 0))
+    """engine/bench.py's spec_turn (the one timing of a turn, `nanoqwen bench --spec`'s too),
+    with the effective ms per token of its decode steps."""
+    t = spec_turn(be, ids, params, n, stop_ids, spec)
+    n_dec = len(t["tokens"]) - 1
+    return dict(t, n=len(t["tokens"]), ms_per_token=t["decode_ms"] / n_dec if n_dec else None)
 
 
 def main(argv=None) -> int:

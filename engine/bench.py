@@ -166,12 +166,13 @@ def run_bench(backend, n_prompt: int, n_gen: int, reps: int, modes: list[str],
     return rows
 
 
-def _spec_turn(backend, ids: list[int], params, n_gen: int, stop_ids, spec: str | None) -> dict:
+def spec_turn(backend, ids: list[int], params, n_gen: int, stop_ids, spec: str | None) -> dict:
     """One reply from an empty cache with speculation `spec` (None: plain decoding): its ids,
     the backend's decode time (step_ms of the tokens after the first: CUDA events per step in
     plain decoding on the GPU, the wall clock around each verify step in speculation) and the
     wall clock from the first token's arrival to the last's, as a consumer of the stream sees
-    it; the drafter's figures."""
+    it; the TTFT (the first token's step_ms); the drafter's figures. benchmarks/bench_spec.py
+    times its turns with it too."""
     backend.truncate(0)
     backend.spec = spec
     try:
@@ -186,7 +187,7 @@ def _spec_turn(backend, ids: list[int], params, n_gen: int, stop_ids, spec: str 
         backend.truncate(0)
     st = dict(backend.spec_stats) if spec else {}
     return dict(tokens=[e.token_id for e in events], decode_ms=sum(e.step_ms for e in events[1:]),
-                wall_ms=wall_ms, drafted=st.get("drafted", 0), accepted=st.get("accepted", 0),
+                wall_ms=wall_ms, ttft_ms=events[0].step_ms, drafted=st.get("drafted", 0), accepted=st.get("accepted", 0),
                 verify_steps=st.get("verify_steps", 0))
 
 
@@ -219,12 +220,12 @@ def run_spec_bench(backend, tokenizer, spec: str, n_gen: int, reps: int, modes: 
     for mode in modes:
         backend.mode = mode
         for decoding in (None, spec):    # warm-up: graphs per verify length, cuBLAS handles
-            _spec_turn(backend, prompts["edit"][0], sampler, n_gen, stop, decoding)
+            spec_turn(backend, prompts["edit"][0], sampler, n_gen, stop, decoding)
         for kind, group in prompts.items():
             runs = {None: [], spec: []}   # per repetition: one turn per request
             for _ in range(reps):
                 for decoding in (None, spec):
-                    runs[decoding].append([_spec_turn(backend, ids, sampler, n_gen, stop,
+                    runs[decoding].append([spec_turn(backend, ids, sampler, n_gen, stop,
                                                       decoding) for ids in group])
             plain_ids = [t["tokens"] for t in runs[None][0]]
             common = dict(model=backend.config.name, backend=backend.name,
