@@ -248,12 +248,17 @@ class Backend:
         The cache ends holding `last` and every emitted id but the last one."""
         t0 = time.perf_counter()
         n0 = len(self.kv_tokens)
-        if not drafts:
-            logits = self.forward([last])
-            return [sampler.sample(logits, self.kv_tokens)], (time.perf_counter() - t0) * 1e3, 0
         # greedy without a penalty needs only each row's argmax (Sampler.verify's greedy rule:
-        # the argmax, kept iff it is the draft), which a backend may find where the logits are
+        # the argmax, kept iff it is the draft; Sampler.sample's, the first maximum), which a
+        # backend may find where the logits are -- for a step without drafts too: one id comes
+        # back, not a vocabulary of logits (600 KB at Qwen's 152064)
         greedy = sampler.params.greedy and sampler.params.repeat_penalty == 1.0
+        if not drafts:
+            if greedy:
+                token = self.forward_all_argmax([last])[0]
+            else:
+                token = sampler.sample(self.forward([last]), self.kv_tokens)
+            return [token], (time.perf_counter() - t0) * 1e3, 0
         if greedy:
             picks = self.forward_all_argmax([last] + drafts)   # the cache holds them all
         else:
