@@ -2,7 +2,8 @@
 # The verify step and speculation on the GPU in one device call (issue 13): install, build, the
 # verify tests first (tests/gpu/test_verify.py), then (FULL=1) all of tests/gpu; t(k) at 7B
 # shapes (bench_verify.py) with the acceptance bench_spec.py measures on the CUDA engine with
-# the bundled model; (BENCH=1) the 7B decode bench, which must not move; (DEPTH=1) the 7B bench
+# the bundled model; (SPECBENCH=1) `nanoqwen bench --spec` ngram and draft (the bundled model as
+# its own draft) on the bundled model; (BENCH=1) the 7B decode bench, which must not move; (DEPTH=1) the 7B bench
 # after 8192 cached tokens (nanoqwen bench -d). Logs under $OUT.
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> FULL=1 BENCH=1 bash benchmarks/verify_spec_gpu.sh
 # (carry .whl: the app tests' textual wheels)
@@ -14,13 +15,18 @@ t() { echo "[$(( $(date +%s) - S ))s] == $*"; }
 C=${NANOQWEN_COMMIT:-unknown}
 {
 source benchmarks/device_setup.sh
+if [ "${FULL:-0}" != 1 ]; then  # (FULL runs them with the rest)
 t "tests/gpu/test_verify.py"; timeout 200 python3 -m pytest tests/gpu/test_verify.py -q -x --tb=short -p no:cacheprovider 2>&1 | tail -30
-if [ "${FULL:-0}" = 1 ]; then
+else
 t "tests/gpu"; timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -30
 fi
 if [ "${SPEC:-1}" = 1 ]; then  # SPEC=0: tests only
 t "bench_spec (cuda, bundled model)"; timeout 200 python3 benchmarks/bench_spec.py --backend cuda --reps ${SPEC_REPS:-3} --json "$OUT/bench_spec_cuda_$C.json" 2>&1 | tail -20
 t "bench_verify 7b"; (cd benchmarks && timeout 150 python3 bench_verify.py --preset 7b --acceptance "$OUT/bench_spec_cuda_$C.json" --json "$OUT/bench_verify_7b_$C.json" 2>&1 | tail -30)
+fi
+if [ "${SPECBENCH:-0}" = 1 ]; then  # nanoqwen bench --spec on the bundled model (both drafters)
+t "bench --spec ngram"; timeout 200 nanoqwen bench --backend cuda --spec ngram -n 200 -r ${SPECBENCH_REPS:-3} --json > "$OUT/bench_spec_ngram_cuda_$C.json" && python3 benchmarks/spec_rows.py "$OUT/bench_spec_ngram_cuda_$C.json"
+t "bench --spec draft (itself)"; timeout 200 nanoqwen bench --backend cuda --spec draft --draft assets/tiny/tiny.nanoqwen -n 200 -r ${SPECBENCH_REPS:-3} --json > "$OUT/bench_spec_draft_cuda_$C.json" && python3 benchmarks/spec_rows.py "$OUT/bench_spec_draft_cuda_$C.json"
 fi
 if [ "${BENCH:-0}" = 1 ]; then
 t "bench 7b"; timeout 100 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph,eager --json > "$OUT/bench_7b_$C.json" && tail -c 400 "$OUT/bench_7b_$C.json"; echo
