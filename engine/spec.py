@@ -95,7 +95,7 @@ class ModelDrafter(_Drafter):
 
     The draft backend keeps its own cache of a prefix of the context: each draft truncates it
     to the longest prefix it shares with the context (the ids it drafted and the target kept
-    stay cached), forwards the rest, then decodes k - 1 more steps. Greedy drafts are a
+    stay cached), then generates k ids greedily from the rest (its backend's decode loop). Greedy drafts are a
     deterministic drafter, so Sampler.verify's rule keeps the target's distribution exact; a
     draft whose context no longer fits the draft model's cache is not made. The interface is
     NgramDrafter's (extend, draft, and _Drafter's update)."""
@@ -112,7 +112,7 @@ class ModelDrafter(_Drafter):
         self.tokens.extend(int(t) for t in tokens)
 
     def draft(self, limit: int | None = None) -> list[int]:
-        import torch
+        from .sampling import SamplerParams
 
         k = self.k if limit is None else min(self.k, limit)
         be, ctx, vocab = self.backend, self.tokens, self._vocab
@@ -128,7 +128,16 @@ class ModelDrafter(_Drafter):
         if any(not 0 <= t < vocab for t in new):
             return []  # an id past the draft's embedding rows
         be.truncate(keep)
-        out = [int(torch.argmax(be.forward(new)[:vocab]))]
-        while len(out) < k:
-            out.append(int(torch.argmax(be.forward([out[-1]])[:vocab])))
+        # the draft backend's own greedy decode loop: on the CUDA engine the k steps are
+        # sampled on the device and run ahead, one id each back, not a vocabulary of logits
+        # per id; an id past the target's rows ends the draft there
+        out: list[int] = []
+        steps = be.generate(new, SamplerParams.greedy_params(), k)
+        try:
+            for e in steps:
+                if not 0 <= e.token_id < vocab:
+                    break
+                out.append(e.token_id)
+        finally:
+            steps.close()   # an abandoned turn leaves the cache exact (INTERFACES.md)
         return out
