@@ -21,6 +21,15 @@ Prediction for the split-K variants (splitk2/4/8: each tile's K over 2, 4 or 8 w
 summed in shared memory in warp order; written before their first run, session 15): 345-370 us
 at every column count up to 16, the error of the same order, columns bit-identical; splitk4 or
 splitk8 best (more independent loads in flight per tile).
+Measured (session 16, results/2026-12-06_lab_lm_head_tc_{splitk_5c82f06,sweep_5c82f06+wip}_h100.json):
+354-369 us at 1-8 columns (8 warps), 363-419 at 9-16 (U = 2); at one column 4-5% over the FMA
+kernel's 341 in every variant, in the product too (RESULTS.md, session 16).
+
+The loads alone (lm_head_read, added after session 16's last device run, not yet run):
+tile_loads_us times the split-K tile's loads (8 rows x 64 bytes a warp-wide load), row_loads_us
+gemv_fp16's (512 contiguous bytes). Prediction, written before any run: if the loads' shape is the
+5%, tile 355-360 us and row 335-342; if both read at 335-342, the gap is the tile kernel's own
+(the block's reduction and barrier, its 9504 short blocks) and the load shape is not worth changing.
 """
 
 from __future__ import annotations
@@ -54,6 +63,8 @@ def build() -> ctypes.CDLL:
     P, I = ctypes.c_void_p, ctypes.c_int
     lib.lm_head_tc.argtypes = [P, P, P, I, I, I, I, P]
     lib.lm_head_tc_splitk.argtypes = [P, P, P, I, I, I, I, I, P]
+    lib.lm_head_read.argtypes = [P, P, I, I, I, P]
+    lib.lm_head_read.restype = I
     for name in ("lm_head_tc", "lm_head_tc_splitk"):
         getattr(lib, name).restype = I
     return lib
@@ -118,8 +129,18 @@ def main(argv=None) -> int:
         print(" ".join(f"{key}={val:.3g}" if isinstance(val, float) else f"{key}={val}"
                        for key, val in row.items()), flush=True)
         del ref, scale
+    # the loads alone, in each kernel's shape (lm_head_read; session 16's question)
+    sink = torch.empty(32 * n, dtype=torch.int32, device="cuda")
+    reads = {}
+    for pattern, name in ((0, "tile_loads_us"), (1, "row_loads_us")):
+        def read(pattern=pattern):
+            e = lib.lm_head_read(sink.data_ptr(), w.data_ptr(), n, k, pattern, sp)
+            if e:
+                raise RuntimeError(f"lm_head_read: CUDA error {e}")
+        reads[name] = timed(read, stream)
+    print(" ".join(f"{key}={val:.3g}" for key, val in reads.items()), flush=True)
     out = dict(bench="lab/lm_head_tc", device=torch.cuda.get_device_name(), n=n, k=k,
-               date=time.strftime("%Y-%m-%d"), rows=rows)
+               date=time.strftime("%Y-%m-%d"), rows=rows, loads_only=reads)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

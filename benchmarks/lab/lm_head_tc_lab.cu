@@ -146,6 +146,58 @@ __global__ void __launch_bounds__(kWarps * 32) lm_head_tc_splitk_kernel(float* _
   }
 }
 
+// Reads only (session 16's open question): every split-K tensor-core variant ran ~5% over the
+// fp32-FMA GEMV at one column (360 against 341 us). Same bytes, other shapes of load: these two
+// kernels keep only the loads -- the split-K tile's (a block a 16-row tile, warp p a K slice,
+// lane (g, t) chunk 4 kb + t of rows g and g+8: a warp-wide load is 8 rows x 64 bytes) and
+// gemv_fp16's (a warp a row, lane l chunks l, l+32, ...: 512 contiguous bytes) -- each lane
+// XOR-folding what it loads into one word, stored, so nothing is optimized away.
+template <int U>
+__global__ void __launch_bounds__(kWarps * 32) read_tile_kernel(uint32_t* __restrict__ sink,
+                                                                const half* __restrict__ w, int n,
+                                                                int k) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+  const int C = k >> 3, KB = k >> 5, tile = blockIdx.x;
+  const int kb0 = warp * KB / kWarps, kb1 = (warp + 1) * KB / kWarps;
+  const uint4* wa = reinterpret_cast<const uint4*>(w) + (size_t)min(tile * 16 + g, n - 1) * C + t;
+  const uint4* wb = reinterpret_cast<const uint4*>(w) + (size_t)min(tile * 16 + g + 8, n - 1) * C + t;
+  uint32_t acc = 0;
+  for (int kb = kb0; kb < kb1; kb += U) {
+    uint4 va[U], vb[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (kb + u < kb1) {
+        va[u] = ld_stream(wa + (kb + u) * 4);
+        vb[u] = ld_stream(wb + (kb + u) * 4);
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (kb + u < kb1) acc ^= va[u].x ^ va[u].y ^ va[u].z ^ va[u].w ^ vb[u].x ^ vb[u].y ^ vb[u].z ^ vb[u].w;
+  }
+  sink[(size_t)blockIdx.x * blockDim.x + threadIdx.x] = acc;
+}
+
+template <int U>
+__global__ void __launch_bounds__(kWarps * 32) read_row_kernel(uint32_t* __restrict__ sink,
+                                                               const half* __restrict__ w, int n,
+                                                               int k) {
+  const int lane = threadIdx.x & 31, C = k >> 3;
+  const int row = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (row >= n) return;  // warp-uniform; no barrier in this kernel
+  const uint4* wr = reinterpret_cast<const uint4*>(w) + (size_t)row * C;
+  uint32_t acc = 0;
+  for (int cb = 0; cb < C; cb += 32 * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (cb + lane + 32 * u < C) v[u] = ld_stream(wr + cb + lane + 32 * u);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (cb + lane + 32 * u < C) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  sink[(size_t)row * 32 + lane] = acc;
+}
+
 }  // namespace
 
 // lm_head_tc with K split over kw (2, 4 or 8) warps a tile, `unroll` k32 blocks in flight (4;
@@ -197,3 +249,17 @@ extern "C" int lm_head_tc(float* out, const half* x, const half* w, int n, int k
   }
   return (int)cudaGetLastError();
 }
+
+// The reads-only kernels: pattern 0 = the split-K tile's loads (U = 7, as the one-column
+// instance), 1 = gemv_fp16's (U = 8). sink: at least 32 * n words. 0 on success.
+extern "C" int lm_head_read(uint32_t* sink, const half* w, int n, int k, int pattern,
+                            cudaStream_t stream) {
+  if (n < 16 || k < 32 || k % 32 || (pattern != 0 && pattern != 1))
+    return (int)cudaErrorInvalidValue;
+  if (pattern == 0)
+    read_tile_kernel<7><<<(n + 15) / 16, kWarps * 32, 0, stream>>>(sink, w, n, k);
+  else
+    read_row_kernel<8><<<(n + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(sink, w, n, k);
+  return (int)cudaGetLastError();
+}
+
