@@ -38,22 +38,14 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {  // weights: read o
 
 constexpr int kWarps = 8;
 
-// One 16-row tile's dot products over k32 blocks [kb0, kb1) into d (both kernels' math): lane
-// (g, t) streams its 16-byte chunk of rows g and g+8 (U blocks in flight) and takes the same
-// chunk of x columns 8nt + g (zeros past nc).
-template <int NT, int U>
-__device__ __forceinline__ void tile_dot(float (&d)[NT][4], const half* __restrict__ x,
-                                         const half* __restrict__ w, int tile, int n, int k,
-                                         int nc, int kb0, int kb1) {
+// One 16-row tile's weights over k32 blocks [kb0, kb1), the way every kernel here streams them:
+// lane (g, t) loads its 16-byte chunk (k = 32 kb + 8t ..) of rows g and g+8, U blocks in flight,
+// and hands each block's pair to use(kb, va, vb). The reads-only probe below shares it, so it
+// times exactly the loads the tensor-core kernels issue.
+template <int U, class Use>
+__device__ __forceinline__ void tile_stream(const half* __restrict__ w, int tile, int n, int k,
+                                            int kb0, int kb1, Use use) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, C = k >> 3;
-  const uint4* x4 = reinterpret_cast<const uint4*>(x);
-  const uint4* xc[NT];
-  bool ok[NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    ok[nt] = nt * 8 + g < nc;
-    xc[nt] = x4 + (size_t)(ok[nt] ? nt * 8 + g : 0) * C + t;
-  }
   const int ra = min(tile * 16 + g, n - 1), rb = min(tile * 16 + g + 8, n - 1);
   const uint4* wa = reinterpret_cast<const uint4*>(w) + (size_t)ra * C + t;
   const uint4* wb = reinterpret_cast<const uint4*>(w) + (size_t)rb * C + t;
@@ -67,15 +59,34 @@ __device__ __forceinline__ void tile_dot(float (&d)[NT][4], const half* __restri
       }
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (kb + u < kb1) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const uint4 xv = ok[nt] ? __ldg(xc[nt] + (kb + u) * 4) : make_uint4(0u, 0u, 0u, 0u);
-          mma16816(d[nt], va[u].x, vb[u].x, va[u].y, vb[u].y, xv.x, xv.y);
-          mma16816(d[nt], va[u].z, vb[u].z, va[u].w, vb[u].w, xv.z, xv.w);
-        }
-      }
+      if (kb + u < kb1) use(kb + u, va[u], vb[u]);
   }
+}
+
+// One 16-row tile's dot products over k32 blocks [kb0, kb1) into d (both kernels' math): the
+// tile's weights as tile_stream streams them, and the same chunk of x columns 8nt + g (zeros
+// past nc).
+template <int NT, int U>
+__device__ __forceinline__ void tile_dot(float (&d)[NT][4], const half* __restrict__ x,
+                                         const half* __restrict__ w, int tile, int n, int k,
+                                         int nc, int kb0, int kb1) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, C = k >> 3;
+  const uint4* x4 = reinterpret_cast<const uint4*>(x);
+  const uint4* xc[NT];
+  bool ok[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    ok[nt] = nt * 8 + g < nc;
+    xc[nt] = x4 + (size_t)(ok[nt] ? nt * 8 + g : 0) * C + t;
+  }
+  tile_stream<U>(w, tile, n, k, kb0, kb1, [&](int kb, const uint4& va, const uint4& vb) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const uint4 xv = ok[nt] ? __ldg(xc[nt] + kb * 4) : make_uint4(0u, 0u, 0u, 0u);
+      mma16816(d[nt], va.x, vb.x, va.y, vb.y, xv.x, xv.y);
+      mma16816(d[nt], va.z, vb.z, va.w, vb.w, xv.z, xv.w);
+    }
+  });
 }
 
 template <int NT, int U>
@@ -156,24 +167,12 @@ template <int U>
 __global__ void __launch_bounds__(kWarps * 32) read_tile_kernel(uint32_t* __restrict__ sink,
                                                                 const half* __restrict__ w, int n,
                                                                 int k) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
-  const int C = k >> 3, KB = k >> 5, tile = blockIdx.x;
-  const int kb0 = warp * KB / kWarps, kb1 = (warp + 1) * KB / kWarps;
-  const uint4* wa = reinterpret_cast<const uint4*>(w) + (size_t)min(tile * 16 + g, n - 1) * C + t;
-  const uint4* wb = reinterpret_cast<const uint4*>(w) + (size_t)min(tile * 16 + g + 8, n - 1) * C + t;
+  const int warp = threadIdx.x >> 5, KB = k >> 5;
   uint32_t acc = 0;
-  for (int kb = kb0; kb < kb1; kb += U) {
-    uint4 va[U], vb[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (kb + u < kb1) {
-        va[u] = ld_stream(wa + (kb + u) * 4);
-        vb[u] = ld_stream(wb + (kb + u) * 4);
-      }
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (kb + u < kb1) acc ^= va[u].x ^ va[u].y ^ va[u].z ^ va[u].w ^ vb[u].x ^ vb[u].y ^ vb[u].z ^ vb[u].w;
-  }
+  tile_stream<U>(w, blockIdx.x, n, k, warp * KB / kWarps, (warp + 1) * KB / kWarps,
+                 [&](int, const uint4& va, const uint4& vb) {
+                   acc ^= va.x ^ va.y ^ va.z ^ va.w ^ vb.x ^ vb.y ^ vb.z ^ vb.w;
+                 });
   sink[(size_t)blockIdx.x * blockDim.x + threadIdx.x] = acc;
 }
 
