@@ -392,7 +392,7 @@ def test_bench_spec_rows_on_the_code_edit_workload(capsys):
     assert rows[1]["accepted"] > 0, rows[1]   # the edits
 
 
-def test_bench_spec_draft_and_refusals(tiny_model_path, capsys):
+def test_bench_spec_draft_and_refusals(tiny_model_path, capsys, tmp_path):
     """--spec draft with the model itself as its draft: every greedy draft is the target's own
     pick, so nearly all are kept (a multi-token forward may flip a near-tie in fp32); and the
     refusals, each one line before any work."""
@@ -414,7 +414,8 @@ def test_bench_spec_draft_and_refusals(tiny_model_path, capsys):
             (["--spec", "ngram", "--synthetic", "7b"], "--spec answers the code-editing requests"),
             (["--spec", "ngram", "-p", "64"], "-p and -d do not apply to --spec"),
             (["--spec", "ngram", "-d", "64"], "-p and -d do not apply to --spec"),
-            (["--spec", "draft", "--draft", str(tiny_model_path)], "has another tokenizer than")]:
+            (["--spec", "draft", "--draft", str(tiny_model_path)], "has another tokenizer than"),
+            (["--spec", "draft", "--draft", str(tmp_path / "gone.nanoqwen")], "does not exist")]:
         assert main(["bench", "--backend", "reference", *args]) == 1, args
         err = capsys.readouterr().err
         assert says in err and len(err.splitlines()) == 1, (args, err)
