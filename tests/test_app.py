@@ -654,9 +654,12 @@ async def test_a_draft_model_setting_drafts_or_says_why_not(dirs, tiny_model_pat
     app = NanoqwenApp(model=tiny_model_path)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(app, pilot)
-        await wait_for(pilot, lambda: app.engine.spec == "draft", 60, "the draft model")
+        # the worker sets the engine's drafter and then posts DraftReady: wait for the
+        # notification (the last of the two), not for engine.spec (CI ran ahead of it)
+        await wait_for(pilot, lambda: any("Drafting with tiny.nanoqwen" in m
+                                          for m in notes(app)), 60, "the draft model")
+        assert app.engine.spec == "draft"
         assert app.engine.draft_path == tiny_model_path.resolve()
-        assert any("Drafting with tiny.nanoqwen" in m for m in notes(app)), notes(app)
         text = "def add(a, b): return a + b"
         widget = await send(app, pilot, text)
         await reply_done(app, pilot)
