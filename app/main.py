@@ -277,16 +277,16 @@ class NanoqwenApp(App[None]):
     def _load_draft(self, engine: EngineService, path: Path) -> None:
         from nanoqwen.engine.errors import NanoqwenError
 
-        if engine.draft_path is not None and engine.draft_path == path.resolve():
-            engine.set_spec("draft", draft=path)   # loaded already: nothing to say
-            return
+        already = engine.draft_path is not None and engine.draft_path == path.resolve()
         try:
-            engine.set_spec("draft", draft=path)
+            engine.set_spec("draft", draft=path)   # the same file again: kept, not reloaded
         except (NanoqwenError, ValueError) as e:
             error = str(e)
         except Exception as e:  # noqa: BLE001 - an unusable file must not become a traceback
             error = f"{type(e).__name__}: {e}"
         else:
+            if already:
+                return   # loaded already: nothing to say
             error = None
         self.post_message(DraftReady(path, error))
 

@@ -204,20 +204,38 @@ def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
     # a file from before model_sampler holds sampler values someone chose: keep them
     values.setdefault("model_sampler", False)
     problems = [f"unknown key {k!r}" for k in sorted(set(data) - known)]
-    try:
-        return Settings(**values).validate(), ("; ".join(problems) or None) and \
-            f"Settings file {path}: ignored {', '.join(problems)}"
-    except SettingsError as e:
-        # Keep the valid fields; reset only the bad ones, and say which.
-        defaults = Settings()
-        for name in e.errors:
-            values[name] = getattr(defaults, name)
+    # Keep the valid fields; reset only the bad ones to the default, and say which. A reset
+    # can make another field invalid (speculation "draft" without its draft model), so this
+    # revalidates until all are fine: each round resets at least one more field.
+    defaults = Settings()
+    errors: dict[str, str] = {}      # field -> its first message, in the order found
+    reset: list[str] = []            # fields reset to the default, in the order reset
+    settings = None
+    for _ in range(len(known) + 1):
         try:
             settings = Settings(**values).validate()
-        except SettingsError:
-            settings = defaults
-        return settings, (f"Settings file {path}: {e}; "
-                          f"reset {', '.join(LABELS[n] for n in e.errors)} to the default")
+            break
+        except SettingsError as e:
+            found = e.errors
+        for name, message in found.items():
+            errors.setdefault(name, message)
+        bad = [n for n in found if n not in reset]
+        # speculation "draft" runs the draft model: without a usable one it goes off too
+        if "draft_model" in found and values.get("speculation") == "draft":
+            bad.append("speculation")
+        if not bad:
+            break    # bad fields already at their defaults: cannot happen, they are valid
+        for name in bad:
+            values[name] = getattr(defaults, name)
+            reset.append(name)
+    notes = [*errors.values(), *([f"ignored {', '.join(problems)}"] if problems else [])]
+    if not errors:
+        return settings, f"Settings file {path}: {notes[0]}" if notes else None
+    if settings is None:   # unreachable while Settings() validates (a test checks it)
+        return defaults, f"Settings file {path}: {'; '.join(notes)}; using defaults"
+    return settings, (f"Settings file {path}: {'; '.join(notes)}; reset "
+                      f"{', '.join(LABELS[n] for n in reset)} to the default"
+                      f"{'s' if len(reset) > 1 else ''}")
 
 
 def save_settings(settings: Settings, path: Path | None = None) -> Path:

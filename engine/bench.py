@@ -187,8 +187,8 @@ def spec_turn(backend, ids: list[int], params, n_gen: int, stop_ids, spec: str |
         backend.truncate(0)
     st = dict(backend.spec_stats) if spec else {}
     return dict(tokens=[e.token_id for e in events], decode_ms=sum(e.step_ms for e in events[1:]),
-                wall_ms=wall_ms, ttft_ms=events[0].step_ms, drafted=st.get("drafted", 0), accepted=st.get("accepted", 0),
-                verify_steps=st.get("verify_steps", 0))
+                wall_ms=wall_ms, ttft_ms=events[0].step_ms, drafted=st.get("drafted", 0),
+                accepted=st.get("accepted", 0), verify_steps=st.get("verify_steps", 0))
 
 
 def run_spec_bench(backend, tokenizer, spec: str, n_gen: int, reps: int, modes: list[str],

@@ -121,4 +121,3 @@ def load_draft(path: str | Path, backend: Backend, tokenizer: Tokenizer,
         raise NanoqwenError(f"the draft model {path} has another tokenizer than "
                             f"{target_name}: a draft model needs the same vocabulary")
     return d
-

@@ -95,10 +95,10 @@ class ModelDrafter(_Drafter):
 
     The draft backend keeps its own cache of a prefix of the context: each draft truncates it
     to the longest prefix it shares with the context (the ids it drafted and the target kept
-    stay cached), then generates k ids greedily from the rest (its backend's decode loop). Greedy drafts are a
-    deterministic drafter, so Sampler.verify's rule keeps the target's distribution exact; a
-    draft whose context no longer fits the draft model's cache is not made. The interface is
-    NgramDrafter's (extend, draft, and _Drafter's update)."""
+    stay cached), then generates k ids greedily from the rest (its backend's decode loop).
+    Greedy drafts are a deterministic drafter, so Sampler.verify's rule keeps the target's
+    distribution exact; a draft whose context no longer fits the draft model's cache is not
+    made. The interface is NgramDrafter's (extend, draft, and _Drafter's update)."""
 
     def __init__(self, draft, tokens: Sequence[int] = (), target_vocab: int | None = None,
                  k_start: int = K_START, k_min: int = K_MIN, k_max: int = K_MAX) -> None:

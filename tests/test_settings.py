@@ -137,3 +137,45 @@ def test_the_app_and_the_cli_share_one_set_of_sampler_rules():
         else:
             assert getattr(p, field) == value or (field == "seed" and value == s.seed)
     assert Settings.from_form({"temperature": "0"}).sampler_params().greedy
+
+
+@pytest.mark.parametrize("draft_model", ["", "   ", 5])
+def test_draft_speculation_without_a_draft_model_resets_both_and_keeps_the_rest(tmp_path,
+                                                                                draft_model):
+    """A hand-edited file asking for a draft model without a usable one: the draft model and
+    speculation go back to their defaults, every other field is kept (not Settings())."""
+    p = tmp_path / "settings.json"
+    p.write_text(json.dumps({"speculation": "draft", "draft_model": draft_model, "top_k": 7,
+                             "temperature": 0.3}))
+    s, warning = load_settings(p)
+    assert (s.top_k, s.temperature) == (7, 0.3)
+    assert (s.speculation, s.draft_model) == ("off", "")
+    assert "reset Draft model, Speculative decoding to the defaults" in warning, warning
+    assert "Draft model" in warning and "Speculative decoding" in warning
+
+
+def test_draft_speculation_reset_is_said_with_the_other_bad_fields(tmp_path):
+    p = tmp_path / "settings.json"
+    p.write_text(json.dumps({"speculation": "draft", "draft_model": "", "temperature": -1,
+                             "top_k": 7, "bogus": 1}))
+    s, warning = load_settings(p)
+    assert (s.top_k, s.temperature, s.speculation) == (7, Settings().temperature, "off")
+    for words in ("Temperature", "Draft model is needed", "unknown key 'bogus'",
+                  "Speculative decoding"):
+        assert words in warning, warning
+
+
+def test_draft_speculation_with_a_draft_model_is_kept(tmp_path):
+    p = tmp_path / "settings.json"
+    p.write_text(json.dumps({"speculation": "draft", "draft_model": "~/m/small.nanoqwen",
+                             "top_k": 7}))
+    s, warning = load_settings(p)
+    assert warning is None
+    assert (s.speculation, s.draft_model, s.top_k) == ("draft", "~/m/small.nanoqwen", 7)
+
+
+def test_the_form_still_marks_the_draft_model_field_for_draft_speculation():
+    with pytest.raises(SettingsError) as e:
+        Settings.from_form({"speculation": "draft", "draft_model": ""})
+    assert set(e.value.errors) == {"draft_model"}
+    assert "Draft model is needed" in e.value.errors["draft_model"]
