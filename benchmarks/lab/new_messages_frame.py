@@ -32,10 +32,11 @@ frames: list[dict] = []
 o_send = chat_mod.ChatScreen.send
 
 
-async def send(self, text):
+async def send(self, text, after=()):
     S["n"] += 1
     S["armed"] = S["n"] > 2          # bench_app's warm-up turns first
-    return await o_send(self, text)
+    S["case"] = "new_chat" if S["n"] % 2 else "next_turn"   # bench_app's turns alternate
+    return await o_send(self, text, after)
 chat_mod.ChatScreen.send = send
 
 
@@ -77,6 +78,7 @@ def tu(self):
     if S["armed"] and self._layout_required:
         S["armed"] = False
         cur.clear()
+        cur["case"] = S["case"]
         cur["dirty_before"] = sorted(type(w).__name__ for w in self._dirty_widgets)
         S["in"] = True
         t = time.perf_counter()
@@ -89,18 +91,21 @@ def tu(self):
 Screen._on_timer_update = tu
 
 rc = bench_app.main(rest)
-keys = collections.Counter(k for f in frames for k, v in f.items() if isinstance(v, float))
-med = {k: round(statistics.median(f.get(k, 0.0) for f in frames), 2) for k in keys}
-top = dict(sorted(med.items(), key=lambda kv: -kv[1]))
-print(f"new messages' frame: {len(frames)} turns; medians, ms:")
-for k, v in list(top.items())[:12]:
-    print(f"  {k:45s} {v:6.2f}")
-if frames:
-    print("  regions rendered:", sorted({tuple(f['crop']) for f in frames if f.get('crop')}),
-          "of", frames[0].get("screen"))
+tops = {}
+for case in ("new_chat", "next_turn"):
+    fs = [f for f in frames if f["case"] == case]
+    keys = collections.Counter(k for f in fs for k, v in f.items() if isinstance(v, float))
+    med = {k: round(statistics.median(f.get(k, 0.0) for f in fs), 2) for k in keys}
+    top = tops[case] = dict(sorted(med.items(), key=lambda kv: -kv[1]))
+    print(f"new messages' frame, {case}: {len(fs)} turns; medians, ms:")
+    for k, v in list(top.items())[:12]:
+        print(f"  {k:45s} {v:6.2f}")
+    if fs:
+        print("  regions rendered:", sorted({tuple(f['crop']) for f in fs if f.get('crop')}),
+              "of", fs[0].get("screen"))
 if args.out:
     Path(args.out).write_text(json.dumps({
         "what": "the new messages' frame (lab/new_messages_frame.py)",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": bench_app.git_commit(),
-        "args": rest, "medians_ms": top, "frames": frames}, indent=1))
+        "args": rest, "medians_ms": tops, "frames": frames}, indent=1))
 sys.exit(rc)
