@@ -7,7 +7,7 @@ occurrence of the context's last n tokens (n from MAX_N down to MIN_N, the longe
 first); the backend verifies them all in one multi-token forward and keeps the longest prefix
 the sampler accepts (Sampler.verify: exact for greedy and for sampling), plus one token of its
 own. Nothing is drafted when nothing matches, and the draft length follows the acceptance:
-longer after a fully accepted draft, shorter after a rejection.
+longer after a fully accepted draft, shorter after a rejection (not below NGRAM_K_MIN).
 
 The index maps every n-gram (n <= MAX_N) ending at each position to its latest end position,
 updated as tokens are appended, so a draft costs a few dict lookups whatever the context's
@@ -23,6 +23,15 @@ SPEC_MODES = ("ngram", "draft")  # Backend.spec values besides None (off)
 MAX_N = 4        # longest n-gram matched
 MIN_N = 2        # shortest n-gram matched (one token drafts too often wrong to pay)
 K_MIN, K_START, K_MAX = 1, 4, 12  # draft length bounds and start
+# Prompt lookup drafts at least this many ids (when it drafts at all): after a rejection its
+# next draft is not cut to the one past what was kept. A draft costs nothing to make, and the
+# verify step's time hardly grows from two tokens to four -- 2.69 / 2.71 / 2.84 ms at 7B shapes
+# on the H100 against a 2.19 ms decode step (results/2026-12-06_bench_verify_7b_484a693_h100.json)
+# -- while every kept id saves a step. Replayed on the bundled model's replies to the
+# code-editing workload (benchmarks/spec_policy.py, RESULTS.md session 17): 7B estimate 1.606 ->
+# 1.446 ms per token on the edits (median), 1.772 -> 1.755 on new code. A draft model's ids
+# cost its own steps, so ModelDrafter keeps K_MIN.
+NGRAM_K_MIN = 3
 
 
 class _Drafter:
@@ -47,7 +56,7 @@ class NgramDrafter(_Drafter):
     """Drafts continuations of `tokens` (the whole context so far) from its own history."""
 
     def __init__(self, tokens: Sequence[int] = (), max_n: int = MAX_N, min_n: int = MIN_N,
-                 k_start: int = K_START, k_min: int = K_MIN, k_max: int = K_MAX) -> None:
+                 k_start: int = K_START, k_min: int = NGRAM_K_MIN, k_max: int = K_MAX) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes {min_n}..{max_n}: need 1 <= min_n <= max_n")
         super().__init__(k_start, k_min, k_max)

@@ -102,6 +102,23 @@ def test_drafter_no_match_no_draft_and_adapts():
         NgramDrafter([], min_n=3, max_n=2)
 
 
+def test_prompt_lookup_drafts_at_least_ngram_k_min_after_a_rejection():
+    """Prompt lookup's drafts are free and the verify step's time hardly grows from 2 to 4
+    tokens (spec.NGRAM_K_MIN's reason): after a rejection the next draft is not cut below
+    NGRAM_K_MIN; a draft model's ids cost its own steps, so ModelDrafter keeps K_MIN."""
+    import inspect
+
+    from nanoqwen.engine.spec import K_MIN, NGRAM_K_MIN, ModelDrafter
+
+    d = NgramDrafter([1, 2, 3, 4, 5, 6, 7, 1, 2])
+    assert d.draft() == [3, 4, 5, 6]          # K_START ids after the earlier (1, 2)
+    d.update(4, 0)
+    assert d.k == NGRAM_K_MIN == 3
+    assert d.draft() == [3, 4, 5]
+    assert d.draft(limit=2) == [3, 4]          # the caller's limit still caps it
+    assert inspect.signature(ModelDrafter).parameters["k_min"].default == K_MIN
+
+
 # --- the rejection rule ----------------------------------------------------------------------
 def test_verify_greedy_is_the_argmax():
     s = Sampler(GREEDY)
@@ -160,6 +177,28 @@ def test_greedy_identical_with_and_without_speculation(engine, text):
     assert st["verify_steps"] > 0 and 0 <= st["accepted"] <= st["drafted"]
     if text != PROMPTS[-1]:
         assert st["accepted"] > 0, st   # a code edit repeats its input: drafts are kept
+
+
+def test_the_policy_replay_is_the_backends_own_loop(engine):
+    """benchmarks/spec_policy.py replays greedy speculation from the plain reply alone (no
+    model): its drafted / accepted / verify-step counts must be the backend's own for the same
+    request, or its 7B estimates describe another loop than the product's."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "spec_policy.py"
+    spec_ = importlib.util.spec_from_file_location("spec_policy", path)
+    sp = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(sp)
+    be, stop = engine.backend, engine.tokenizer.stop_ids
+    for text in PROMPTS[:2]:
+        ids = prompt_ids(engine, text)
+        plain = run(be, ids, GREEDY, 120, None, stop)
+        run(be, ids, GREEDY, 120, "ngram", stop)
+        req = dict(prompt=ids, reply=plain, stop_ids=sorted(stop))
+        steps = sp.replay(lambda ctx, req: NgramDrafter(ctx), req, 120)
+        got = dict(drafted=sum(d for d, _ in steps), accepted=sum(a for _, a in steps),
+                   verify_steps=sum(1 for d, _ in steps if d))
+        assert got == be.spec_stats and got["verify_steps"] > 0, (got, be.spec_stats)
 
 
 def test_chunks_at_a_window_and_stats_in_the_session(engine):

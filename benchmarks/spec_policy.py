@@ -1,0 +1,245 @@
+"""Drafting policies for greedy speculation, replayed exactly on the CPU and costed at 7B shapes.
+
+    python benchmarks/spec_policy.py [--tk VERIFY_JSON] [--replies FILE] [--json FILE]
+
+With greedy decoding the reply is the plain greedy reply whatever is drafted (the product checks
+it: `identical` in every `bench --spec` row), and a verify step keeps the longest prefix of the
+drafts that matches that reply, plus the reply's next token. So a drafter's whole behaviour on a
+request -- every draft, every acceptance, every step's token count -- follows from the prompt
+and the plain reply alone, without the model: this script computes the bundled model's plain
+greedy replies to the code-editing workload once (engine/spec_workload.py, `nanoqwen bench
+--spec`'s requests, 200 tokens, the reference backend; cached in --replies), then replays each
+policy over them with the same loop as `Backend._spec_chunks` (limit = the tokens left - 1, a
+stop id ends the step, `update` after a step that drafted, `extend` with what it emitted).
+
+Cost: each step at the 7B shapes' measured time of its token count, from a bench_verify.py JSON
+(--tk; default the H100 run of the committed kernels, 484a693; `--tk cpu` measures the reference
+backend's forward_all here instead): a step without drafts is one
+graph decode step, a verify step of T = 1 + drafts tokens costs t(T). ms per generated token =
+the steps' sum over the tokens after the first (bench_verify's estimate, step by step instead of
+with each request's mean draft length). The bundled model's acceptance stands for a 7B's on the
+same requests (random weights at 7B shapes accept nothing real), as issue 13 item 4 says.
+
+Check: the replay of engine/spec.py's NgramDrafter as `bench --spec ngram` ran it at 484a693
+(k_min 1) must give the drafted / accepted counts measured there with the model (results/
+2026-12-06_bench_spec_ngram_cpu_484a693.json: edits 884 / 540, new code 286 / 210); the script
+says whether it does. The "bound" rows are not drafters: they know the reply (class Oracle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_TK = REPO / "benchmarks/results/2026-12-06_bench_verify_7b_484a693_h100.json"
+N_GEN = 200
+
+
+def cpu_tk(context: int = 300, reps: int = 40) -> dict:
+    """t(T) of the reference backend here (the bundled model): forward_all of T = 1..16 tokens
+    after `context` cached ones, T interleaved per repetition, medians; the decode step is
+    T = 1. In bench_verify.py's JSON shape."""
+    from nanoqwen.engine import loader
+    from nanoqwen.engine.bench import _commit as commit
+    from nanoqwen.engine.service import default_model_path
+
+    be = loader.load(default_model_path(), backend="reference").backend
+    be.truncate(0)
+    be.forward(list(range(10, 10 + context)))
+    ts: dict[int, list[float]] = {t: [] for t in range(1, 17)}
+    for _ in range(reps):
+        for t in ts:
+            n0 = len(be.kv_tokens)
+            t0 = time.perf_counter()
+            be.forward_all(list(range(20, 20 + t)))
+            ts[t].append((time.perf_counter() - t0) * 1e3)
+            be.truncate(n0)
+    rows = [dict(k=t, ms=statistics.median(v)) for t, v in ts.items()]
+    return dict(rows=rows, decode_graph_ms=rows[0]["ms"], commit=commit(),
+                device=f"cpu, reference backend, bundled model, context {context}, medians of "
+                       f"{reps}")
+
+
+def plain_replies(n_gen: int) -> list[dict]:
+    """The bundled model's plain greedy replies to the workload, from an empty cache."""
+    from nanoqwen.engine import loader
+    from nanoqwen.engine.bench import spec_turn
+    from nanoqwen.engine.sampling import SamplerParams
+    from nanoqwen.engine.service import default_model_path
+    from nanoqwen.engine.spec_workload import requests
+
+    loaded = loader.load(default_model_path(), backend="reference")
+    tok = loaded.tokenizer
+    out = []
+    counts: dict[str, int] = {}
+    for kind, text in requests():
+        ids = tok.encode_chat([{"role": "user", "content": text}])
+        t = spec_turn(loaded.backend, ids, SamplerParams.greedy_params(), n_gen, tok.stop_ids,
+                      None)
+        out.append(dict(kind=kind, request=counts.get(kind, 0), prompt=ids, reply=t["tokens"],
+                        stop_ids=sorted(tok.stop_ids)))
+        counts[kind] = counts.get(kind, 0) + 1
+    return out
+
+
+def replay(make_drafter, req: dict, n_gen: int) -> list[tuple[int, int]]:
+    """Backend._spec_chunks' loop over a known greedy reply: per step (drafts, accepted)."""
+    reply, stop = req["reply"], set(req["stop_ids"])
+    drafter = make_drafter(req["prompt"] + reply[:1], req)
+    n_out, last, steps = 1, reply[0], []
+    while not (last in stop or n_out >= n_gen or n_out >= len(reply)):
+        limit = n_gen - n_out - 1
+        drafts = drafter.draft(limit) if limit > 0 else []
+        emitted, kept = [], 0
+        for i, d in enumerate(drafts):
+            t = reply[n_out + i]
+            emitted.append(t)
+            if t == d:
+                kept += 1
+            if t != d or t in stop:
+                break
+        else:
+            emitted.append(reply[n_out + len(drafts)])
+        if drafts:
+            drafter.update(len(drafts), kept)
+        drafter.extend(emitted)
+        steps.append((len(drafts), kept))
+        n_out += len(emitted)
+        last = emitted[-1]
+    assert n_out == len(reply), (n_out, len(reply))
+    return steps
+
+
+def cost(steps, t_of: dict[int, float], t_plain: float) -> float:
+    return sum(t_of[1 + d] if d else t_plain for d, _ in steps)
+
+
+def evaluate(name: str, make_drafter, reqs, n_gen, t_of, t_plain) -> dict:
+    row = dict(policy=name)
+    for kind in ("edit", "new"):
+        group = [r for r in reqs if r["kind"] == kind]
+        per = [replay(make_drafter, r, n_gen) for r in group]
+        drafted = sum(d for st in per for d, _ in st)
+        accepted = sum(a for st in per for _, a in st)
+        vsteps = sum(1 for st in per for d, _ in st if d)
+        after = [len(r["reply"]) - 1 for r in group]
+        ests = [cost(st, t_of, t_plain) / n for st, n in zip(per, after)]
+        row[kind] = dict(requests=len(group), drafted=drafted, accepted=accepted,
+                         verify_steps=vsteps, steps=sum(len(st) for st in per),
+                         tokens_per_verify_step=(accepted + vsteps) / vsteps if vsteps else None,
+                         est_ms_per_token_median=statistics.median(ests),
+                         est_ms_per_token_total=sum(cost(st, t_of, t_plain) for st in per)
+                         / sum(after))
+    return row
+
+
+class Oracle:
+    """A bound, not a drafter: knows the reply and drafts exactly the ids that will be kept --
+    the longest continuation of an earlier occurrence of the context's last n >= min_n tokens
+    that matches the reply (any occurrence; `latest`: only the product's candidate, the latest
+    occurrence of the longest n <= 4), at most k_max -- and nothing where none would be kept."""
+
+    def __init__(self, req: dict, ctx, min_n: int = 2, k_max: int = 15, latest: bool = False):
+        self.tokens, self.full, self.min_n, self.k_max, self.latest = list(ctx), \
+            req["prompt"] + req["reply"], min_n, k_max, latest
+
+    def extend(self, ids) -> None:
+        self.tokens.extend(ids)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        pass
+
+    def draft(self, limit=None) -> list[int]:
+        t, full = self.tokens, self.full
+        n_ctx, best = len(t), []
+        cap = self.k_max if limit is None else min(self.k_max, limit)
+        for n in range(4 if self.latest else 8, self.min_n - 1, -1):
+            ends = [p for p in range(n_ctx - 2, n - 2, -1) if t[p - n + 1:p + 1] == t[-n:]]
+            for p in ends[:1] if self.latest else ends:
+                run = 0
+                while (run < cap and p + 1 + run < n_ctx and n_ctx + run < len(full) - 1
+                       and t[p + 1 + run] == full[n_ctx + run]):
+                    run += 1
+                if run > len(best):
+                    best = t[p + 1:p + 1 + run]
+            if self.latest and ends:
+                break
+        return best
+
+
+def policies() -> dict:
+    """name -> make_drafter(context, request)."""
+    from nanoqwen.engine import spec
+
+    return {
+        "product NgramDrafter": lambda ctx, req: spec.NgramDrafter(ctx),
+        "k_min 1 (session 16 product)": lambda ctx, req: spec.NgramDrafter(
+            ctx, k_min=1),
+        "k_min 1, unigram matches": lambda ctx, req: spec.NgramDrafter(ctx, k_min=1, min_n=1),
+        "unigram matches": lambda ctx, req: spec.NgramDrafter(ctx, min_n=1),
+        "k_min 4": lambda ctx, req: spec.NgramDrafter(ctx, k_min=4),
+        "k_max 15": lambda ctx, req: spec.NgramDrafter(ctx, k_max=15),
+        "bound: product's candidate, exact length": lambda ctx, req: Oracle(req, ctx,
+                                                                             latest=True),
+        "bound: any n >= 2 occurrence, exact length": lambda ctx, req: Oracle(req, ctx),
+        "bound: any n >= 1 occurrence, exact length": lambda ctx, req: Oracle(req, ctx, min_n=1),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tk", default=str(DEFAULT_TK),
+                    help="a bench_verify.py JSON (t(k)), or 'cpu': measure the reference "
+                         "backend's here")
+    ap.add_argument("--replies", default="/tmp/nanoqwen_spec_replies.json")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    tk = cpu_tk() if a.tk == "cpu" else json.loads(Path(a.tk).read_text())
+    t_of = {r["k"]: r["ms"] for r in tk["rows"]}
+    t_plain = tk["decode_graph_ms"]
+    rp = Path(a.replies)
+    if rp.exists():
+        reqs = json.loads(rp.read_text())
+    else:
+        t0 = time.perf_counter()
+        reqs = plain_replies(N_GEN)
+        rp.write_text(json.dumps(reqs))
+        print(f"plain greedy replies computed in {time.perf_counter() - t0:.0f} s -> {rp}")
+    rows = [evaluate(name, mk, reqs, N_GEN, t_of, t_plain) for name, mk in policies().items()]
+    print(f"t(k) from {a.tk} ({tk['device']}, {tk['commit']}): plain decode {t_plain:.3f} ms")
+    print(f"{'policy':44s} {'kind':4s} {'drafted':>7s} {'kept':>5s} {'vsteps':>6s} "
+          f"{'steps':>5s} {'tok/vstep':>9s} {'est ms/tok (median, total)':>27s}")
+    for r in rows:
+        for kind in ("edit", "new"):
+            g = r[kind]
+            print(f"{r['policy']:44s} {kind:4s} {g['drafted']:7d} {g['accepted']:5d} "
+                  f"{g['verify_steps']:6d} {g['steps']:5d} {g['tokens_per_verify_step']:9.2f} "
+                  f"{g['est_ms_per_token_median']:13.3f} {g['est_ms_per_token_total']:13.3f}")
+    base = rows[1]
+    ok = (base["edit"]["drafted"], base["edit"]["accepted"], base["new"]["drafted"],
+          base["new"]["accepted"]) == (884, 540, 286, 210)
+    print("replay of the k_min 1 drafter matches bench --spec ngram's counts at 484a693 (884/540, "
+          "286/210):", ok)
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(
+            what="drafting policies replayed on the bundled model's plain greedy replies "
+                 "(benchmarks/spec_policy.py), costed with t(k) at 7B shapes",
+            tk_from=a.tk, tk_device=tk["device"], tk_commit=tk["commit"], n_gen=N_GEN,
+            tk=[dict(k=r["k"], ms=r["ms"]) for r in tk["rows"]],
+            plain_decode_ms=t_plain, replay_matches_bench=ok, rows=rows,
+            date=time.strftime("%Y-%m-%d"), commit=_commit()), indent=1))
+    return 0 if ok else 1
+
+
+def _commit() -> str:
+    from nanoqwen.engine.bench import _commit as c
+    return c()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
