@@ -196,10 +196,22 @@ def main(argv=None) -> int:
     ap.add_argument("--tk", default=str(DEFAULT_TK),
                     help="a bench_verify.py JSON (t(k)), or 'cpu': measure the reference "
                          "backend's here")
+    ap.add_argument("--what-if", choices=["ideal", "target"], default=None,
+                    help="hypothetical t(k) from the measured decode step: 'ideal' every T <= 8 "
+                         "at one decode step (+10%% past 8), 'target' every T <= 8 at most 1.3x "
+                         "(issue 13 item 3)")
     ap.add_argument("--replies", default="/tmp/nanoqwen_spec_replies.json")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     tk = cpu_tk() if a.tk == "cpu" else json.loads(Path(a.tk).read_text())
+    if a.what_if:   # hypothetical verify steps, from the measured decode step
+        d = tk["decode_graph_ms"]
+        for r in tk["rows"]:
+            if a.what_if == "ideal":      # memory-bound: T <= 8 at one step's time, then +10%
+                r["ms"] = d * (1.0 if r["k"] <= 8 else 1.1)
+            elif r["k"] <= 8:             # issue 13 item 3's target: t(8) <= 1.3x, so every T <= 8
+                r["ms"] = min(r["ms"], 1.3 * d)
+        tk["device"] += f", what-if {a.what_if}"
     t_of = {r["k"]: r["ms"] for r in tk["rows"]}
     t_plain = tk["decode_graph_ms"]
     rp = Path(a.replies)
@@ -229,7 +241,8 @@ def main(argv=None) -> int:
         Path(a.json).write_text(json.dumps(dict(
             what="drafting policies replayed on the bundled model's plain greedy replies "
                  "(benchmarks/spec_policy.py), costed with t(k) at 7B shapes",
-            tk_from=a.tk, tk_device=tk["device"], tk_commit=tk["commit"], n_gen=N_GEN,
+            tk_from=a.tk, what_if=a.what_if, tk_device=tk["device"], tk_commit=tk["commit"],
+            n_gen=N_GEN,
             tk=[dict(k=r["k"], ms=r["ms"]) for r in tk["rows"]],
             plain_decode_ms=t_plain, replay_matches_bench=ok, rows=rows,
             date=time.strftime("%Y-%m-%d"), commit=_commit()), indent=1))
