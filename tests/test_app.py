@@ -245,6 +245,10 @@ class _Terminal:
                 x += cell_len(ch)
 
     def full_render(self, app) -> list:
+        """The screen rendered from scratch: every widget's line cache emptied first (a line
+        kept from an earlier size, widgets.OnePassLayout, must be what a fresh render gives)."""
+        for w in app.screen.walk_children(with_self=True):
+            w._styles_cache.clear()
         grid = _Terminal(len(self.cells[0]), len(self.cells))
         x = y = 0
         for y, strip in enumerate(app.screen._compositor.render_strips()):
@@ -314,6 +318,46 @@ async def test_partial_frames_show_what_textuals_own_would(dirs, tiny_model_path
             assert term.cells == term.full_render(app)
     assert len(compared) >= 10 and all(compared), compared
     assert Compositor._get_renders is frames._textual_get_renders  # Textual's after the app
+
+
+@aio
+async def test_a_growing_reply_keeps_only_the_lines_a_fresh_render_would_draw(
+        dirs, tiny_model_path):
+    """widgets.OnePassLayout keeps a resized message's rendered lines above its bottom gutter
+    (Textual would drop them all): after every append of a reply that grows a bordered code
+    block, a paragraph and a list, and after a narrower screen, the screen rendered from the
+    caches as they are equals the screen rendered from empty caches, line for line, styles
+    included."""
+    def screen_lines(app, fresh: bool) -> list:
+        if fresh:
+            for w in app.screen.walk_children(with_self=True):
+                w._styles_cache.clear()
+        return [[(seg.text, seg.style) for seg in strip]
+                for strip in app.screen._compositor.render_strips()]
+
+    code = "".join(f"    total_{i} = compute(x, {i})  # step {i}\n" for i in range(30))
+    reply = (f"Here is the code:\n\n```python\ndef run(x):\n{code}    return x\n```\n\n"
+             "It computes the steps in order and:\n\n- keeps each total\n- returns x\n")
+    app = NanoqwenApp(model=tiny_model_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(app, pilot)
+        box = app.chat.query_one("#messages")
+        for _ in range(3):   # earlier messages, so that the list scrolls as the reply grows
+            await box.mount(AssistantMessage("a reply\n\nof two paragraphs", None, "stop"))
+        widget = AssistantMessage("", None, finish=None, streaming=True)
+        await box.mount(widget)
+        box.scroll_end(animate=False)
+        stream = AssistantMessage.get_stream(widget, None)
+        for i in range(0, len(reply), 23):
+            await stream.write(reply[i:i + 23])
+            await pilot.pause(0.03)
+            cached = screen_lines(app, fresh=False)
+            assert cached == screen_lines(app, fresh=True), f"after {i + 23} characters"
+        await stream.stop()
+        assert widget.query(CodeFence)   # (with the code block's gutter not redrawn: fails)
+        await pilot.resize_terminal(SIZE[0] - 17, SIZE[1])   # a new width: nothing is kept
+        await pilot.pause(0.1)
+        assert screen_lines(app, fresh=False) == screen_lines(app, fresh=True)
 
 
 @pytest.mark.slow
