@@ -176,9 +176,9 @@ class OnePassLayout:
         # and the content at the top, a line above the bottom gutter (padding + border) of the
         # shorter height is the same at either height (the styles cache renders a line from y,
         # the size and the styles only; a content change marks its own lines dirty). Measured on
-        # the 2-core CPU (gpu_paced_replay.py, 1024-token replies): a layout frame 21.3 -> 18.7
-        # ms (median), RESULTS.md session 17. tests/test_app.py compares the screen with a
-        # render from empty caches.
+        # the 2-core CPU (lab/ui_cpu_per_turn.py, replayed 512-token turns): the UI thread's
+        # CPU a turn 10-17% lower, RESULTS.md session 17. tests/test_app.py compares the
+        # screen with a render from empty caches.
         old = self._size   # type: ignore[attr-defined]
         cache = self._styles_cache   # type: ignore[attr-defined]
         keep = (size.width == old.width and old.height and size.height != old.height
