@@ -68,7 +68,8 @@ class Smem:
         self.tag[off // 16] = tag
 
     def lds128(self, off: int, want) -> np.ndarray:
-        assert self.tag[off // 16] == want, f"read {off}: holds {self.tag[off // 16]}, wanted {want}"
+        got = self.tag[off // 16]
+        assert got == want, f"read {off}: holds {got}, wanted {want}"
         return self.b[off:off + 16].view(np.uint32)
 
 

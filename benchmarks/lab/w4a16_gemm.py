@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     load_extension()
     lib = build()
     names = [lib.w4a16_variant_name(i).decode() for i in range(lib.w4a16_num_variants())]
-    pick = [i for i, nm in enumerate(names) if args.variants is None or nm in args.variants.split(",")]
+    wanted = None if args.variants is None else args.variants.split(",")
+    pick = [i for i, nm in enumerate(names) if wanted is None or nm in wanted]
     cfg = ModelConfig.from_name(args.preset)
     H, I = cfg.hidden_size, cfg.intermediate_size
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -108,7 +109,8 @@ def main(argv=None) -> int:
                            qw2.data_ptr(), sc2.data_ptr(), b.data_ptr() if b is not None else None,
                            x.shape[0], n, k, sp)
         if e:
-            raise RuntimeError(f"w4a16_gemm {names[v]} {op} m={x.shape[0]} n={n} k={k}: CUDA error {e}")
+            raise RuntimeError(f"w4a16_gemm {names[v]} {op} m={x.shape[0]} n={n} k={k}: "
+                               f"CUDA error {e}")
 
     def reference(op, x, mats, b, resid):
         xf = x.float()
@@ -198,7 +200,8 @@ def main(argv=None) -> int:
     print(f"largest error over all variants, projections and m: {worst:.3g} (bound {TOL})")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
-            device=torch.cuda.get_device_name(), preset=args.preset, variants=[names[v] for v in pick],
+            device=torch.cuda.get_device_name(), preset=args.preset,
+            variants=[names[v] for v in pick],
             rows=rows, per_layer=layer, largest_error=worst, tol=TOL,
             errors={f"{a}|{b}|{c}": e for (a, b, c), e in errors.items()}), indent=1))
     return 0 if worst <= TOL else 1
