@@ -4,8 +4,11 @@
 # shapes (bench_verify.py) with the acceptance bench_spec.py measures on the CUDA engine with
 # the bundled model; (SPECBENCH=1) `nanoqwen bench --spec` ngram and draft (the bundled model as
 # its own draft) on the bundled model; (BENCH=1) the 7B decode bench, which must not move; (DEPTH=1) the 7B bench
-# after 8192 cached tokens (nanoqwen bench -d). Logs under $OUT.
+# after 8192 cached tokens (nanoqwen bench -d); (LABS=1) the lab runs session 17 could not make:
+# the W4A16 prefill GEMM (lab/w4a16_gemm.py) and the lm_head loads probe (lab/lm_head_tc.py).
+# Logs under $OUT.
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> FULL=1 BENCH=1 bash benchmarks/verify_spec_gpu.sh
+#   NANOQWEN_COMMIT=<...> FULL=1 SPEC=0 LABS=1 BENCH=1 bash benchmarks/verify_spec_gpu.sh
 # (carry .whl: the app tests' textual wheels)
 set -o pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16
@@ -33,6 +36,10 @@ t "bench 7b"; timeout 100 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mod
 fi
 if [ "${DEPTH:-0}" = 1 ]; then  # issue 14's long-context rows: after 8192 cached tokens
 t "bench 7b -d 8192"; timeout 120 nanoqwen bench --synthetic 7b -d 8192 -p 512 -n 128 -r 3 --mode graph --json > "$OUT/bench_7b_d8192_$C.json" && tail -c 400 "$OUT/bench_7b_d8192_$C.json"; echo
+fi
+if [ "${LABS:-0}" = 1 ]; then
+t "lab w4a16_gemm"; timeout 330 python3 benchmarks/lab/w4a16_gemm.py --json "$OUT/lab_w4a16_gemm_$C.json" 2>&1 | tail -45
+t "lab lm_head_tc (lm_head_read)"; timeout 150 python3 benchmarks/lab/lm_head_tc.py --json "$OUT/lab_lm_head_tc_$C.json" 2>&1 | tail -14
 fi
 t "done"
 } 2>&1 | tee "$OUT/verify_spec_$C.log"
