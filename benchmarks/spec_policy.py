@@ -172,6 +172,31 @@ class Oracle:
         return best
 
 
+def _adaptive_n(full_n: int, reject_n: int):
+    """NgramDrafter whose shortest n-gram follows the last verify step: `full_n` after a draft
+    kept whole, `reject_n` after a rejection (issue 13 item 2's "n-gram sizes adapt")."""
+    from nanoqwen.engine import spec
+
+    class AdaptiveN(spec.NgramDrafter):
+        def __init__(self, ctx) -> None:
+            super().__init__(ctx, min_n=1)
+            self.cur_n = spec.MIN_N
+
+        def update(self, drafted: int, accepted: int) -> None:
+            super().update(drafted, accepted)
+            if drafted > 0:
+                self.cur_n = full_n if accepted == drafted else reject_n
+
+        def draft(self, limit=None) -> list[int]:
+            self.min_n, saved = self.cur_n, self.min_n
+            try:
+                return super().draft(limit)
+            finally:
+                self.min_n = saved
+
+    return AdaptiveN
+
+
 def policies() -> dict:
     """name -> make_drafter(context, request)."""
     from nanoqwen.engine import spec
@@ -184,6 +209,10 @@ def policies() -> dict:
         "unigram matches": lambda ctx, req: spec.NgramDrafter(ctx, min_n=1),
         "k_min 4": lambda ctx, req: spec.NgramDrafter(ctx, k_min=4),
         "k_max 15": lambda ctx, req: spec.NgramDrafter(ctx, k_max=15),
+        "n >= 1 after a kept draft, >= 2 after a rejection": lambda ctx, req: _adaptive_n(1, 2)(
+            ctx),
+        "n >= 1 after a kept draft, >= 3 after a rejection": lambda ctx, req: _adaptive_n(1, 3)(
+            ctx),
         "bound: product's candidate, exact length": lambda ctx, req: Oracle(req, ctx,
                                                                              latest=True),
         "bound: any n >= 2 occurrence, exact length": lambda ctx, req: Oracle(req, ctx),
@@ -224,12 +253,12 @@ def main(argv=None) -> int:
         print(f"plain greedy replies computed in {time.perf_counter() - t0:.0f} s -> {rp}")
     rows = [evaluate(name, mk, reqs, N_GEN, t_of, t_plain) for name, mk in policies().items()]
     print(f"t(k) from {a.tk} ({tk['device']}, {tk['commit']}): plain decode {t_plain:.3f} ms")
-    print(f"{'policy':44s} {'kind':4s} {'drafted':>7s} {'kept':>5s} {'vsteps':>6s} "
+    print(f"{'policy':52s} {'kind':4s} {'drafted':>7s} {'kept':>5s} {'vsteps':>6s} "
           f"{'steps':>5s} {'tok/vstep':>9s} {'est ms/tok (median, total)':>27s}")
     for r in rows:
         for kind in ("edit", "new"):
             g = r[kind]
-            print(f"{r['policy']:44s} {kind:4s} {g['drafted']:7d} {g['accepted']:5d} "
+            print(f"{r['policy']:52s} {kind:4s} {g['drafted']:7d} {g['accepted']:5d} "
                   f"{g['verify_steps']:6d} {g['steps']:5d} {g['tokens_per_verify_step']:9.2f} "
                   f"{g['est_ms_per_token_median']:13.3f} {g['est_ms_per_token_total']:13.3f}")
     base = rows[1]
