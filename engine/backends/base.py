@@ -263,7 +263,9 @@ class Backend:
             picks = self.forward_all_argmax([last] + drafts)   # the cache holds them all
         else:
             rows = self.forward_all([last] + drafts)     # [1 + k, V]; the cache holds them all
-        history = self.kv_tokens[:n0 + 1]            # what plain decoding would have cached
+        # what plain decoding would have cached, for the sampler's penalty window; greedy
+        # needs none (a copy of the whole context every step, O(context) host work, otherwise)
+        history = None if greedy else self.kv_tokens[:n0 + 1]
         emitted: list[int] = []
         kept = 0
         try:
@@ -273,7 +275,8 @@ class Backend:
                 emitted.append(token)
                 if ok:
                     kept += 1
-                    history.append(token)
+                    if history is not None:
+                        history.append(token)
                 if not ok or token in stop_ids:
                     break
             else:   # every draft kept
