@@ -112,8 +112,6 @@ __global__ void __launch_bounds__(kThreads) gemv_fp16_kernel(float* __restrict__
   }
 }
 
-bool misaligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) != 0; }
-
 }  // namespace
 
 cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k, int cols,

@@ -60,23 +60,6 @@ struct Args {
   int nc;               // columns: x [nc, k], out [nc, n] (1: the decode GEMV)
 };
 
-__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;  // (a & b) | c : immLut = (0xF0 & 0xCC) | 0xAA = 0xEA
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
-__device__ __forceinline__ half2 as_h2(uint32_t u) { return *reinterpret_cast<half2*>(&u); }
-__device__ __forceinline__ uint32_t h2_bits(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
-
-__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // One group of one 16-row tile: va / vb = lane t's 16-byte chunk of rows g / g+8, xv its x
 // (staged order). Returns the dot products of rows g and g+8 over the group, before the group
 // scale: per word, exact q (lo - 1032, hi/16 - 72) and two mmas.
@@ -472,8 +455,6 @@ constexpr const Int4Instance& pick(int op, int k) {
   return kInt4Table[i];
 }
 static_assert(pick(OP_RESID, 3584).ks == 4 && pick(OP_RESID, 18944).ks == 8, "o / down split");
-
-bool misaligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) != 0; }
 
 cudaError_t check_int4(const char* fn, const void* out, const half* x, const uint32_t* qw,
                        const half* sc, int n, int k, int cols) {
