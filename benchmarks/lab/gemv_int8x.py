@@ -27,13 +27,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 LAB = Path(__file__).resolve().parent
-REPO = LAB.parent.parent
 sys.path.insert(0, str(LAB.parent))
+sys.path.insert(0, str(LAB))   # lab.py before the benchmarks/lab directory
 
 NIBBLE_POS = (0, 2, 4, 6, 1, 3, 5, 7)   # quant.py ORDER: nibble p holds in-word k ORDER[p]
 BYTE_POS = (0, 2, 4, 6, 1, 3, 5, 7)     # x8: in-word k -> byte position (k0 k4 k1 k5 k2 k6 k3 k7)
@@ -85,15 +84,9 @@ def emulate() -> int:
 
 
 def build() -> ctypes.CDLL:
-    so = Path("/tmp/nanoqwen_int8x.so")
-    r = subprocess.run(["nvcc", "-shared", "-Xcompiler", "-fPIC", "-O3", "-std=c++17", "-Xptxas",
-                        "-v", "-gencode=arch=compute_90a,code=sm_90a", f"-I{REPO / 'csrc'}",
-                        str(LAB / "gemv_int8x_lab.cu"), "-o", str(so)],
-                       check=True, capture_output=True, text=True)
-    for line in r.stderr.splitlines():
-        if "spill" in line and not line.strip().startswith("0 bytes stack"):
-            print(line.strip())
-    lib = ctypes.CDLL(str(so))
+    from lab import compile_alone
+
+    lib = compile_alone("gemv_int8x_lab.cu")
     P, I = ctypes.c_void_p, ctypes.c_int
     lib.int8x_quantize.argtypes = [P, P, P, P, I, P]
     lib.int8x_quantize.restype = I

@@ -82,6 +82,20 @@ def build(verbose: bool = True) -> Path:
     return lib
 
 
+def compile_alone(source: str, show=lambda line: "spill" in line
+                  and not line.strip().startswith("0 bytes stack")) -> ctypes.CDLL:
+    """One lab source compiled alone into its own shared library (the lab's flags: csrc/ and
+    the lab on the include path) and loaded; ptxas lines for which `show` is true are printed
+    (default: the instances that spill). The callers set their entry points' argtypes."""
+    so = Path("/tmp") / f"nanoqwen_{Path(source).stem}.so"
+    r = subprocess.run(["nvcc", "-shared", *FLAGS, str(LAB / source), "-o", str(so)],
+                       check=True, capture_output=True, text=True)
+    for line in r.stdout.splitlines() + r.stderr.splitlines():
+        if show(line):
+            print(line.strip())
+    return ctypes.CDLL(str(so))
+
+
 class Lab:
     """ctypes.CDLL of the lab library with argument types set, plus the variant names."""
 

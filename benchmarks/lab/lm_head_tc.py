@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,20 +45,16 @@ import torch
 
 LAB = Path(__file__).resolve().parent
 sys.path.insert(0, str(LAB.parent))
+sys.path.insert(0, str(LAB))   # lab.py before the benchmarks/lab directory
 from bench_verify import us_per_launch as timed  # noqa: E402  (benchmarks/, one timing helper)
 COLS = (1, 2, 4, 8, 9, 13, 16)
 
 
 def build() -> ctypes.CDLL:
-    so = Path("/tmp/nanoqwen_lm_head_tc.so")
-    r = subprocess.run(["nvcc", "-shared", "-Xcompiler", "-fPIC", "-O3", "-std=c++17",
-                        "-Xptxas", "-v", "-gencode=arch=compute_90a,code=sm_90a",
-                        str(LAB / "lm_head_tc_lab.cu"), "-o", str(so)],
-                       check=True, capture_output=True, text=True)
-    for line in r.stderr.splitlines():  # ptxas: each instance's registers and spills
-        if "Compiling entry" in line or "registers" in line or "spill" in line:
-            print(line.strip())
-    lib = ctypes.CDLL(str(so))
+    from lab import compile_alone
+
+    lib = compile_alone("lm_head_tc_lab.cu", show=lambda line: "Compiling entry" in line
+                        or "registers" in line or "spill" in line)
     P, I = ctypes.c_void_p, ctypes.c_int
     lib.lm_head_tc.argtypes = [P, P, P, I, I, I, I, P]
     lib.lm_head_tc_splitk.argtypes = [P, P, P, I, I, I, I, I, P]

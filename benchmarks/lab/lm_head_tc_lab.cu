@@ -12,29 +12,15 @@
 // columns are bit-identical to a one-column call (the property the verify step needs) -- if the
 // decode step used this kernel too.
 //
-// Self-contained (no csrc/ helpers): benchmarks/lab/lm_head_tc.py compiles it alone with nvcc
-// and calls it through ctypes.
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-#include <stdint.h>
+// benchmarks/lab/lm_head_tc.py compiles it alone (lab.compile_alone: csrc/common.cuh's fragment
+// helpers) and calls it through ctypes.
+#include "common.cuh"
 
 namespace {
 
-__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+using nanoqwen::mma16816;     // csrc/common.cuh
+using nanoqwen::ld_weights;   // weights: read once, not into L1
 
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {  // weights: read once, not into L1
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 constexpr int kWarps = 8;
 
@@ -54,8 +40,8 @@ __device__ __forceinline__ void tile_stream(const half* __restrict__ w, int tile
 #pragma unroll
     for (int u = 0; u < U; ++u)
       if (kb + u < kb1) {
-        va[u] = ld_stream(wa + (kb + u) * 4);
-        vb[u] = ld_stream(wb + (kb + u) * 4);
+        va[u] = ld_weights(wa + (kb + u) * 4);
+        vb[u] = ld_weights(wb + (kb + u) * 4);
       }
 #pragma unroll
     for (int u = 0; u < U; ++u)
@@ -189,7 +175,7 @@ __global__ void __launch_bounds__(kWarps * 32) read_row_kernel(uint32_t* __restr
     uint4 v[U];
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (cb + lane + 32 * u < C) v[u] = ld_stream(wr + cb + lane + 32 * u);
+      if (cb + lane + 32 * u < C) v[u] = ld_weights(wr + cb + lane + 32 * u);
 #pragma unroll
     for (int u = 0; u < U; ++u)
       if (cb + lane + 32 * u < C) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,7 +35,9 @@ import torch
 
 LAB = Path(__file__).resolve().parent
 sys.path.insert(0, str(LAB.parent))
+sys.path.insert(0, str(LAB))   # lab.py before the benchmarks/lab directory
 from bench_verify import us_per_launch as timed  # noqa: E402  (benchmarks/, one timing helper)
+from lab import compile_alone  # noqa: E402
 
 TOL = 2e-3
 CHECK_M = (1, 15, 17, 100, 511)
@@ -44,15 +45,7 @@ OPS = {"store": 0, "resid": 1, "silu": 2}
 
 
 def build() -> ctypes.CDLL:
-    so = Path("/tmp/nanoqwen_w4a16.so")
-    r = subprocess.run(["nvcc", "-shared", "-Xcompiler", "-fPIC", "-O3", "-std=c++17",
-                        "-Xptxas", "-v", "-gencode=arch=compute_90a,code=sm_90a",
-                        str(LAB / "w4a16_gemm_lab.cu"), "-o", str(so)],
-                       check=True, capture_output=True, text=True)
-    for line in r.stderr.splitlines():
-        if "spill" in line and not line.strip().startswith("0 bytes stack"):
-            print(line.strip())
-    lib = ctypes.CDLL(str(so))
+    lib = compile_alone("w4a16_gemm_lab.cu")
     P, I = ctypes.c_void_p, ctypes.c_int
     lib.w4a16_gemm.argtypes = [I, I, P, P, P, P, P, P, P, I, I, I, P]
     lib.w4a16_gemm.restype = I

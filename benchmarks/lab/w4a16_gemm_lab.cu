@@ -25,10 +25,9 @@
 //   scales: each lane loads its rows' scales of the next group from global memory (L2) while the
 //            current group computes.
 // Tokens past m and rows past n are zero-filled (cp.async src-size 0) and never written.
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-#include <stdint.h>
 #include <stdio.h>
+
+#include "common.cuh"
 
 namespace {
 
@@ -46,21 +45,10 @@ struct GArgs {
   int m, n, k;
 };
 
-__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-__device__ __forceinline__ half2 as_h2(uint32_t u) { return *reinterpret_cast<half2*>(&u); }
-__device__ __forceinline__ uint32_t h2_bits(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
-
-__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+using nanoqwen::as_h2;   // the INT4 fragment helpers (csrc/common.cuh)
+using nanoqwen::h2_bits;
+using nanoqwen::lop3_and_or;
+using nanoqwen::mma16816;
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
   const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
@@ -68,11 +56,8 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pr
                "r"(pred ? 16 : 0)
                : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
+using nanoqwen::cp_async_commit;
+using nanoqwen::cp_async_wait;
 
 __device__ __forceinline__ uint4 lds128(const void* p) {
   return *reinterpret_cast<const uint4*>(p);
