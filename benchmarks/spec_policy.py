@@ -232,6 +232,8 @@ def main(argv=None) -> int:
     ap.add_argument("--replies", default="/tmp/nanoqwen_spec_replies.json")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    from nanoqwen.engine.bench import _commit as commit
+
     tk = cpu_tk() if a.tk == "cpu" else json.loads(Path(a.tk).read_text())
     if a.what_if:   # hypothetical verify steps, from the measured decode step
         d = tk["decode_graph_ms"]
@@ -274,13 +276,8 @@ def main(argv=None) -> int:
             n_gen=N_GEN,
             tk=[dict(k=r["k"], ms=r["ms"]) for r in tk["rows"]],
             plain_decode_ms=t_plain, replay_matches_bench=ok, rows=rows,
-            date=time.strftime("%Y-%m-%d"), commit=_commit()), indent=1))
+            date=time.strftime("%Y-%m-%d"), commit=commit()), indent=1))
     return 0 if ok else 1
-
-
-def _commit() -> str:
-    from nanoqwen.engine.bench import _commit as c
-    return c()
 
 
 if __name__ == "__main__":
