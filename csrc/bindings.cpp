@@ -455,6 +455,62 @@ void gemv_int4_silu_mul(Tensor& out, const Tensor& x, const Tensor& qw_gate, con
                                                 stream_of(out)));
 }
 
+// The prefill GEMMs' x: [m, k], m >= 1 tokens; m.
+int64_t gemm_rows(const char* op, const Tensor& x, int64_t k) {
+  check_arg(op, "x", x, at::kHalf);
+  NQ_CHECK(x.dim() == 2 && x.size(1) == k && x.size(0) >= 1, op, ": x is ", shape_str(x),
+           ", expected [m, k] with m >= 1 and k=", k);
+  return x.size(0);
+}
+
+void gemm_int4(Tensor& y, const Tensor& x, const Tensor& qweight, const Tensor& scales,
+               const c10::optional<Tensor>& bias) {
+  const char* op = "gemm_int4";
+  int64_t n, k;
+  check_qweight(op, qweight, scales, &n, &k);
+  const int64_t m = gemm_rows(op, x, k);
+  check_arg(op, "y", y, at::kHalf);
+  NQ_CHECK(y.numel() == m * n, op, ": y has ", y.numel(), " elements, expected m*n=", m * n);
+  const half* b = opt_bias(op, bias, y, n);
+  for (const Tensor* t : Ts{&x, &qweight, &scales}) same_device(op, y, *t, "an input");
+  const c10::cuda::CUDAGuard g(y.device());
+  check_launch(op, nanoqwen::gemm_int4(hp(y), chp(x), qw(qweight), chp(scales), b, (int)m, (int)n,
+                                       (int)k, stream_of(y)));
+}
+
+void gemm_int4_residual(Tensor& hidden, const Tensor& x, const Tensor& qweight,
+                        const Tensor& scales) {
+  const char* op = "gemm_int4_residual";
+  int64_t n, k;
+  check_qweight(op, qweight, scales, &n, &k);
+  const int64_t m = gemm_rows(op, x, k);
+  check_arg(op, "hidden", hidden, at::kFloat);
+  NQ_CHECK(hidden.numel() == m * n, op, ": hidden has ", hidden.numel(),
+           " elements, expected m*n=", m * n);
+  for (const Tensor* t : Ts{&x, &qweight, &scales}) same_device(op, hidden, *t, "an input");
+  const c10::cuda::CUDAGuard g(hidden.device());
+  check_launch(op, nanoqwen::gemm_int4_residual(hidden.data_ptr<float>(), chp(x), qw(qweight),
+                                                chp(scales), (int)m, (int)n, (int)k,
+                                                stream_of(hidden)));
+}
+
+void gemm_int4_silu_mul(Tensor& out, const Tensor& x, const Tensor& qw_gate, const Tensor& sc_gate,
+                        const Tensor& qw_up, const Tensor& sc_up) {
+  const char* op = "gemm_int4_silu_mul";
+  int64_t n, k, n2, k2;
+  check_qweight(op, qw_gate, sc_gate, &n, &k, "qw_gate", "sc_gate");
+  check_qweight(op, qw_up, sc_up, &n2, &k2, "qw_up", "sc_up");
+  NQ_CHECK(n == n2 && k == k2, op, ": gate is [", n, ", ", k, "] but up is [", n2, ", ", k2, "]");
+  const int64_t m = gemm_rows(op, x, k);
+  check_arg(op, "out", out, at::kHalf);
+  NQ_CHECK(out.numel() == m * n, op, ": out has ", out.numel(), " elements, expected m*n=", m * n);
+  for (const Tensor* t : Ts{&x, &qw_gate, &sc_gate, &qw_up, &sc_up}) same_device(op, out, *t, "an input");
+  const c10::cuda::CUDAGuard g(out.device());
+  check_launch(op, nanoqwen::gemm_int4_silu_mul(hp(out), chp(x), qw(qw_gate), chp(sc_gate),
+                                                qw(qw_up), chp(sc_up), (int)m, (int)n, (int)k,
+                                                stream_of(out)));
+}
+
 void gemv_fp16(Tensor& logits, const Tensor& x, const Tensor& w) {
   const char* op = "gemv_fp16";
   check_arg(op, "logits", logits, at::kFloat);
@@ -534,7 +590,8 @@ class Engine : public torch::CustomClassHolder {
   // dense: 4 a layer (resident fp16 W_qkv, W_o, W_gate_up, W_down), or 4 scratch matrices
   //   (per-layer dequant before each layer's prefill GEMMs)
   // ints: H, I, n_heads, n_kv, head_dim, vocab, 0 (the removed fuse_norm's slot, kept so the
-  //   layout stays), min_pps, num_splits, resident, prefill_chunk
+  //   layout stays), min_pps, num_splits, prefill weights (0 dequant, 1 resident, 2 int4: no
+  //   dense matrices, gemm_int4 on the INT4 weights), prefill_chunk
   Engine(std::vector<Tensor> globals, std::vector<Tensor> layers, std::vector<Tensor> dense,
          std::vector<int64_t> ints, double eps, int64_t stream_ptr)
       : g_(std::move(globals)), l_(std::move(layers)), d_(std::move(dense)) {
@@ -544,9 +601,15 @@ class Engine : public torch::CustomClassHolder {
     NQ_CHECK(!l_.empty() && l_.size() % 15 == 0, op, ": layers has ", (int64_t)l_.size(),
              " tensors, expected 15 a layer");
     const int64_t nl = (int64_t)l_.size() / 15;
-    resident_ = ints[9] != 0;
-    NQ_CHECK(d_.size() == (size_t)(resident_ ? 4 * nl : 4), op, ": dense has ",
-             (int64_t)d_.size(), " matrices, expected ", resident_ ? 4 * nl : 4);
+    // ints[9], the prefill's weights: 0 per-layer dequant into 4 scratch matrices, 1 resident
+    // fp16 (4 a layer), 2 the INT4 weights themselves through gemm_int4 (no dense matrices)
+    NQ_CHECK(ints[9] >= 0 && ints[9] <= 2, op, ": ints[9]=", ints[9],
+             " must be 0 (dequant), 1 (resident) or 2 (int4)");
+    resident_ = ints[9] == 1;
+    int4_ = ints[9] == 2;
+    const int64_t n_dense = resident_ ? 4 * nl : int4_ ? 0 : 4;
+    NQ_CHECK(d_.size() == (size_t)n_dense, op, ": dense has ", (int64_t)d_.size(),
+             " matrices, expected ", n_dense);
     chunk_ = ints[10];
     NQ_CHECK(chunk_ >= 1, op, ": prefill_chunk=", chunk_, " must be >= 1");
     nanoqwen::StepArgs& a = a_;
@@ -824,15 +887,23 @@ class Engine : public torch::CustomClassHolder {
     for (size_t li = 0; li < a.layers.size(); ++li) {
       const nanoqwen::LayerPtrs& L = a.layers[li];
       const Tensor* lt = &l_[15 * li];
-      const Tensor* W = resident_ ? &d_[4 * li] : &d_[0];
-      if (!resident_) dequant_layer(li);
+      const Tensor* W = resident_ ? &d_[4 * li] : int4_ ? nullptr : &d_[0];
+      if (!resident_ && !int4_) dequant_layer(li);
       for (size_t c = 0; c < chunks.size(); ++c) {
         const int64_t s = chunks[c].first, e = chunks[c].second, tc = e - s;
         Tensor h = hidden.narrow(0, s, tc);                                       // [Tc, H]
         Tensor xn = at::empty({tc, H}, hopt);
         check_launch("prefill rmsnorm", nanoqwen::rmsnorm(hp(xn), h.data_ptr<float>(), L.ln1, (int)tc,
                                                           (int)H, a.eps, stream_));
-        Tensor qkv = at::linear(xn, W[0], lt[4]);                                  // [Tc, q+2kv]
+        Tensor qkv;                                                               // [Tc, q+2kv]
+        if (int4_) {
+          qkv = at::empty({tc, (nh + 2 * nkv) * hd}, hopt);
+          check_launch("prefill gemm_int4 (qkv)",
+                       nanoqwen::gemm_int4(hp(qkv), chp(xn), qw(lt[2]), chp(lt[3]), chp(lt[4]),
+                                           (int)tc, (int)((nh + 2 * nkv) * hd), (int)H, stream_));
+        } else {
+          qkv = at::linear(xn, W[0], lt[4]);
+        }
         Tensor q = at::empty({tc, nh, hd}, hopt);
         check_launch("prefill rope_kv_write",
                      nanoqwen::rope_kv_write(hp(q), L.k_cache, L.v_cache, chp(qkv), a.cos, a.sin,
@@ -840,13 +911,32 @@ class Engine : public torch::CustomClassHolder {
                                              a.table_len, (int)tc, (int)nh, (int)nkv, (int)hd,
                                              stream_));
         Tensor att = attention(q, lt[13], lt[14], pos0 + s, pos0 + e);            // [Tc, nh*hd]
-        h.add_(at::linear(att, W[1]));
+        if (int4_)
+          check_launch("prefill gemm_int4_residual (o_proj)",
+                       nanoqwen::gemm_int4_residual(h.data_ptr<float>(), chp(att), qw(lt[5]),
+                                                    chp(lt[6]), (int)tc, (int)H, (int)(nh * hd),
+                                                    stream_));
+        else
+          h.add_(at::linear(att, W[1]));
         check_launch("prefill rmsnorm", nanoqwen::rmsnorm(hp(xn), h.data_ptr<float>(), L.ln2, (int)tc,
                                                           (int)H, a.eps, stream_));
-        Tensor gu = at::linear(xn, W[2]).to(at::kFloat);                          // [Tc, 2I]
-        // fp32 math, one rounding, as the decode GEMV
-        Tensor act = (at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I)).to(at::kHalf);
-        h.add_(at::linear(act, W[3]));
+        if (int4_) {
+          // gate and up summed in fp32 and SiLU*mul in fp32, one rounding (the decode GEMV's)
+          Tensor act = at::empty({tc, I}, hopt);
+          check_launch("prefill gemm_int4_silu_mul (gate/up)",
+                       nanoqwen::gemm_int4_silu_mul(hp(act), chp(xn), qw(lt[7]), chp(lt[8]),
+                                                    qw(lt[9]), chp(lt[10]), (int)tc, (int)I,
+                                                    (int)H, stream_));
+          check_launch("prefill gemm_int4_residual (down_proj)",
+                       nanoqwen::gemm_int4_residual(h.data_ptr<float>(), chp(act), qw(lt[11]),
+                                                    chp(lt[12]), (int)tc, (int)H, (int)I,
+                                                    stream_));
+        } else {
+          Tensor gu = at::linear(xn, W[2]).to(at::kFloat);                        // [Tc, 2I]
+          // fp32 math, one rounding, as the decode GEMV
+          Tensor act = (at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I)).to(at::kHalf);
+          h.add_(at::linear(act, W[3]));
+        }
       }
     }
     // the last row into the decode step's residual buffer: the same logits tail as a step
@@ -1025,6 +1115,7 @@ class Engine : public torch::CustomClassHolder {
   bool vgraph_refused_ = false;
   std::string vnote_;
   bool resident_ = false;
+  bool int4_ = false;   // the prefill multiplies the INT4 weights (gemm_int4), no fp16 copy
   int64_t chunk_ = 2048;
   c10::Device device_{c10::kCUDA, 0};
   cudaStream_t stream_ = nullptr;
@@ -1090,6 +1181,11 @@ TORCH_LIBRARY(nanoqwen, m) {
         "Tensor page_table, Tensor pos, int min_pps=0) -> ()");
   // INT4 -> fp16 weight (prefill feeds cuBLAS with it)
   m.def("dequant_int4(Tensor! w, Tensor qweight, Tensor scales) -> ()");
+  // the prefill's INT4 GEMMs over m tokens (prefill_weights "int4")
+  m.def("gemm_int4(Tensor! y, Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None) -> ()");
+  m.def("gemm_int4_residual(Tensor! hidden, Tensor x, Tensor qweight, Tensor scales) -> ()");
+  m.def("gemm_int4_silu_mul(Tensor! out, Tensor x, Tensor qw_gate, Tensor sc_gate, Tensor qw_up, "
+        "Tensor sc_up) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nanoqwen, CUDA, m) {
@@ -1100,6 +1196,9 @@ TORCH_LIBRARY_IMPL(nanoqwen, CUDA, m) {
   m.impl("advance_step", &nanoqwen_ops::advance_step);
   m.impl("gemv_int4", &nanoqwen_ops::gemv_int4);
   m.impl("gemv_int4_residual", &nanoqwen_ops::gemv_int4_residual);
+  m.impl("gemm_int4", &nanoqwen_ops::gemm_int4);
+  m.impl("gemm_int4_residual", &nanoqwen_ops::gemm_int4_residual);
+  m.impl("gemm_int4_silu_mul", &nanoqwen_ops::gemm_int4_silu_mul);
   m.impl("gemv_int4_silu_mul", &nanoqwen_ops::gemv_int4_silu_mul);
   m.impl("gemv_fp16", &nanoqwen_ops::gemv_fp16);
   m.impl("dequant_int4", &nanoqwen_ops::dequant_int4);

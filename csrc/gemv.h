@@ -68,6 +68,21 @@ cudaError_t gemv_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate
 cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k, int cols,
                       cudaStream_t stream);
 
+// The prefill's projections over m tokens at once (gemm_int4.cu; issue 14 item 1): the same
+// INT4 layout, on tensor cores, no fp16 copy of the weight. x [m, k] half, m >= 1 (any m; the
+// kernel picks its block shape by m); n, k as above; the weight is formed exactly as
+// dequant_int4's and multiplied in fp32. Not captured in a graph, no PDL: plain launches.
+//   y[t][n] = sum_k W[n,k] x[t][k] (+ bias[n])           y half [m, n]
+cudaError_t gemm_int4(half* y, const half* x, const uint32_t* qweight, const half* scales,
+                      const half* bias, int m, int n, int k, cudaStream_t stream);
+//   hidden[t][n] += sum_k W[n,k] x[t][k]                  hidden fp32 [m, n]
+cudaError_t gemm_int4_residual(float* hidden, const half* x, const uint32_t* qweight,
+                               const half* scales, int m, int n, int k, cudaStream_t stream);
+//   out[t][j] = silu(Wg x[t])[j] * (Wu x[t])[j]           out half [m, n], fp32 sums
+cudaError_t gemm_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate,
+                               const half* sc_gate, const uint32_t* qw_up, const half* sc_up,
+                               int m, int n, int k, cudaStream_t stream);
+
 // w half [n, k] = dequantize(qweight, scales); bit-identical to quant.dequantize(...).half()
 // ((u-8)*s is formed exactly and rounded once). Prefill uses it to feed cuBLAS.
 cudaError_t dequant_int4(half* w, const uint32_t* qweight, const half* scales, int n, int k,

@@ -35,6 +35,7 @@ SOURCES = (
     "attention.cu",
     "sampling.cu",
     "gemv_int4.cu",
+    "gemm_int4.cu",
     "gemv_fp16.cu",
 )
 HEADERS = ("kernels.h", "common.cuh", "gemv.h", "engine.h")

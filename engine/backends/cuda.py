@@ -8,8 +8,8 @@ Python here loads weights, allocates every buffer once and keeps the cache bookk
     gemv_int4_silu_mul gate/up -> gemv_int4_residual down; rmsnorm -> gemv_fp16 lm_head ->
     sample_token -> advance_step) is enqueued by C++ (launch_step); graph mode replays ONE
     graph captured from that launcher, gated by a halt flag; eager mode calls the launcher;
-  * the whole prefill (layer by layer, INT4 weights dequantized to fp16 once per layer or kept
-    resident) is one C++ call;
+  * the whole prefill (layer by layer: cuBLAS on fp16 weights kept resident or dequantized
+    once per layer, or gemm_int4 on the INT4 weights themselves) is one C++ call;
   * a C++ launcher thread keeps up to RUN_AHEAD steps queued; each sampled id lands in a
     pinned ring slot with a sequence number and the GPU's time; a stop id sets the halt flag
     on the device, so the steps queued after it do nothing (graph mode);
@@ -112,14 +112,19 @@ class CudaBackend(Backend):
         self._ops = torch.ops.nanoqwen
         self._gen_id = 0
         self._lock = threading.RLock()
+        # the prefill's weights: "resident" fp16 copies (cuBLAS), "dequant" (one layer's fp16
+        # copy at a time, cuBLAS) or "int4" (gemm_int4 on the INT4 weights, no copy); "auto":
+        # resident where it fits with room to spare, else int4
+        if prefill_weights not in ("auto", "resident", "dequant", "int4"):
+            raise ValueError(f"prefill_weights={prefill_weights!r}: use "
+                             "auto|resident|dequant|int4")
         need_dense = self._dense_bytes()
-        self._check_memory(need_dense if prefill_weights == "resident" else 0)
+        self._check_memory(need_dense if prefill_weights == "resident" else 0,
+                           scratch=prefill_weights == "dequant")
         if prefill_weights == "auto":
             free = torch.cuda.mem_get_info(self.device)[0]
             prefill_weights = "resident" if free > 1.5 * (self._required_bytes() + need_dense) \
-                else "dequant"
-        if prefill_weights not in ("resident", "dequant"):
-            raise ValueError(f"prefill_weights={prefill_weights!r}: use auto|resident|dequant")
+                else "int4"
         self.prefill_weights = prefill_weights
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream), \
@@ -163,19 +168,21 @@ class CudaBackend(Backend):
         per_layer = sum(n * k for n, k in c.projection_shapes().values()) * 2
         return c.num_hidden_layers * per_layer
 
-    def _required_bytes(self) -> int:
+    def _required_bytes(self, scratch: bool = False) -> int:
+        """Weights, KV cache, activations; `scratch`: one layer's fp16 copy ("dequant")."""
         c = self.config
         pages = math.ceil(self.max_context / KV_PAGE_SIZE)
         kv = 2 * c.num_hidden_layers * pages * KV_PAGE_SIZE * c.kv_size * 2
-        per_layer_dense = sum(n * k for n, k in c.projection_shapes().values()) * 2
+        per_layer_dense = sum(n * k for n, k in c.projection_shapes().values()) * 2 \
+            if scratch else 0
         chunk = min(PREFILL_CHUNK, self.max_context)
         acts = chunk * (c.hidden_size * 12 + c.intermediate_size * 12 + c.vocab_size * 0) \
             + self.max_context * c.hidden_size * 4
         rope = pages * KV_PAGE_SIZE * c.head_dim * 4
         return self._weight_bytes() + kv + per_layer_dense + acts + rope + (64 << 20)
 
-    def _check_memory(self, extra: int) -> None:
-        need = self._required_bytes() + extra
+    def _check_memory(self, extra: int, scratch: bool = False) -> None:
+        need = self._required_bytes(scratch) + extra
         free, total = torch.cuda.mem_get_info(self.device)
         if need > free:
             raise NanoqwenError(
@@ -320,12 +327,12 @@ class CudaBackend(Backend):
             layers += [L.ln1, L.ln2, L.qkv_qw, L.qkv_sc, L.qkv_b, L.o_qw, L.o_sc, L.gate_qw,
                        L.gate_sc, L.up_qw, L.up_sc, L.down_qw, L.down_sc, self.k_layers[li],
                        self.v_layers[li]]
-        resident = self.prefill_weights == "resident"
-        dense = [w for L in self.layers[:n_layers] for w in L.dense] if resident \
-            else list(self._scratch)
+        mode = {"dequant": 0, "resident": 1, "int4": 2}[self.prefill_weights]
+        dense = [w for L in self.layers[:n_layers] for w in L.dense] if mode == 1 \
+            else list(self._scratch) if mode == 0 else []
         ints = [c.hidden_size, c.intermediate_size, c.num_attention_heads,
                 c.num_key_value_heads, c.head_dim, c.vocab_size, 0,  # 0: fuse_norm's old slot
-                self.attn_min_pps, self.num_splits, int(resident), PREFILL_CHUNK]
+                self.attn_min_pps, self.num_splits, mode, PREFILL_CHUNK]
         return globals_, layers, dense, ints
 
     def _make_core(self) -> None:
@@ -395,8 +402,8 @@ class CudaBackend(Backend):
     def _prefill(self, tokens: list[int], pos0: int, sample: bool) -> None:
         """K/V of tokens at pos0.. into the cache, logits of the last one into self.logits; with
         `sample`, also sample + advance (ring slot = counter). One C++ call (GIL released) that
-        only enqueues: layer by layer, cuBLAS GEMMs on the fp16 weights (resident or dequantized
-        per layer), rope_kv_write into the decode pages, SDPA over the paged cache. One token is
+        only enqueues: layer by layer, the projections (cuBLAS on fp16 weights resident or
+        dequantized per layer, or gemm_int4 on the INT4 weights), rope_kv_write into the decode pages, SDPA over the paged cache. One token is
         a decode step (graph or eager, as the mode says)."""
         self._reserve(pos0 + len(tokens))
         self.core.prefill(torch.tensor(tokens, dtype=torch.int32), pos0, sample,

@@ -1,0 +1,310 @@
+// gemm_int4.cu -- the prefill's projections as INT4-weight x fp16-activation GEMMs on tensor cores
+// (issue 14 item 1): the .nanoqwen INT4 layout read directly, no fp16 copy of the weights.
+//
+// Y [m, n] = X [m, k] . W[n, k]^T, W = (u - 8) * s (group 128, engine/quant.py; gemv.h's layout),
+// with the prefill's three epilogues: store (+bias, rounded to half), residual (fp32 hidden += Y),
+// SiLU (out = silu(X Wg^T) * (X Wu^T) from fp32 sums, rounded to half).
+//
+// mma.sync m16n8k16, A = dequantized weights (16 rows of W), B = X (8 tokens). Lane (g, t) (g =
+// lane/4, t = lane%4) holds the 16-byte chunk t (k = 32t .. 32t+31 of a group) of rows g and g+8,
+// as the decode GEMV (gemv_int4.cu) does; word j of it gives, by Marlin's lop3 on the interleaved
+// nibble order, the k pairs {0,1}, {2,3} (mma #1) and {4,5}, {6,7} (mma #2), so the mma's logical k
+// slots (2t, 2t+1, 2t+8, 2t+9) are the physical k 32t + 8j + 4h + {0,1,2,3}; B takes X at the same
+// physical k. The weight is q * s formed in fp16 (q exact, one rounding: bit-identical to
+// dequant_int4's, the weight cuBLAS multiplied before), the products summed in fp32.
+//
+// A block owns BN = WR * 32 rows of W (2 tiles of 16 a warp; SiLU: tile 0 gate, tile 1 up of the
+// same 16 output rows) and BM = WT * BT * 8 tokens; K advances one group a stage through an
+// S-stage cp.async ring:
+//   X stage: BM rows x 256 B; token chunk c = 4t + j stored at (4j + t) ^ (4 * (token & 1)), so a
+//            quarter warp's 16-byte reads (two tokens, t = 0..3, one j) hit 8 distinct bank groups;
+//   W stage: BN rows x 64 B, conflict-free as laid out;
+//   scales:  each lane loads its rows' scales of the next group from global memory while the
+//            current group computes.
+// Tokens past m and rows past n are zero-filled (cp.async src-size 0) and never written.
+// The index math was emulated lane by lane on the CPU before the first device run
+// (benchmarks/lab/w4a16_emulate.py); the lab's variants are in benchmarks/lab/w4a16_gemm_lab.cu.
+#include <limits.h>
+
+#include "common.cuh"
+#include "gemv.h"
+
+namespace nanoqwen {
+namespace {
+
+constexpr int kGroup = 128;
+enum { OP_STORE = 0, OP_RESID = 1, OP_SILU = 2 };
+
+struct GArgs {
+  void* out;
+  const half* x;
+  const uint32_t* qw;
+  const half* sc;
+  const uint32_t* qw2;
+  const half* sc2;
+  const half* bias;
+  int m, n, k;
+};
+
+template <int WR, int WT, int BT, int S, int OP>
+struct Cfg {
+  static constexpr int kThreads = WR * WT * 32;
+  static constexpr int BN = WR * 32;                   // W rows a stage
+  static constexpr int BM = WT * BT * 8;               // tokens
+  static constexpr int ROWS_OUT = OP == OP_SILU ? WR * 16 : BN;
+  static constexpr int X_BYTES = BM * 256;
+  static constexpr int STAGE = X_BYTES + BN * 64;
+  static constexpr int SMEM = S * STAGE;
+};
+
+template <int WR, int WT, int BT, int S, int OP>
+__global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) {
+  using C = Cfg<WR, WT, BT, S, OP>;
+  constexpr int AT = 2;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wr = warp % WR, wt = warp / WR;
+  const int row0 = blockIdx.x * C::ROWS_OUT;
+  const int tok0 = blockIdx.y * C::BM;
+  const int G = a.k / kGroup;
+  const int kw4 = a.k / 32;   // 16-byte chunks a weight row
+
+  auto load_stage = [&](int slot, int kg) {
+    unsigned char* xs = smem + slot * C::STAGE;
+    unsigned char* ws = xs + C::X_BYTES;
+    for (int c = tid; c < C::BM * 16; c += C::kThreads) {
+      const int tok = c >> 4, cc = c & 15;
+      const int p = (((cc & 3) << 2) | (cc >> 2)) ^ ((tok & 1) << 2);
+      const int gt = tok0 + tok;
+      const bool ok = gt < a.m;
+      cp_async16_zfill(xs + tok * 256 + p * 16,
+                       a.x + (size_t)(ok ? gt : 0) * a.k + kg * kGroup + cc * 8, ok);
+    }
+    for (int c = tid; c < C::BN * 4; c += C::kThreads) {
+      const int r = c >> 2, ch = c & 3;
+      int grow;
+      const uint4* base;
+      if constexpr (OP == OP_SILU) {
+        const int rem = r % 32;
+        grow = row0 + (r / 32) * 16 + (rem % 16);
+        base = reinterpret_cast<const uint4*>(rem >= 16 ? a.qw2 : a.qw);
+      } else {
+        grow = row0 + r;
+        base = reinterpret_cast<const uint4*>(a.qw);
+      }
+      const bool ok = grow < a.n;
+      cp_async16_zfill(ws + r * 64 + ch * 16, base + (size_t)(ok ? grow : 0) * kw4 + kg * 4 + ch,
+                       ok);
+    }
+  };
+
+  // this lane's rows (tile at, rows g and g+8): their scale rows
+  const half* scp[AT][2];
+#pragma unroll
+  for (int at = 0; at < AT; ++at)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int grow = OP == OP_SILU ? row0 + wr * 16 + g + 8 * h
+                                     : row0 + (wr * AT + at) * 16 + g + 8 * h;
+      const half* sbase = (OP == OP_SILU && at == 1) ? a.sc2 : a.sc;
+      scp[at][h] = sbase + (size_t)(grow < a.n ? grow : 0) * G;
+    }
+
+  float acc[AT][BT][4];
+#pragma unroll
+  for (int at = 0; at < AT; ++at)
+#pragma unroll
+    for (int nt = 0; nt < BT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[at][nt][e] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < G) load_stage(s, s);
+    cp_async_commit();
+  }
+  half sc_next[AT][2];
+#pragma unroll
+  for (int at = 0; at < AT; ++at)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) sc_next[at][h] = scp[at][h][0];
+
+  const uint32_t kLo = 0x64006400u;
+  const half2 k1032 = as_h2(0x64086408u), k16 = as_h2(0x2C002C00u), k72 = as_h2(0xD480D480u);
+
+  for (int kg = 0; kg < G; ++kg) {
+    cp_async_wait<S - 2>();
+    __syncthreads();
+    {
+      const int nk = kg + S - 1;
+      if (nk < G) load_stage(nk % S, nk);
+      cp_async_commit();
+    }
+    half2 s2[AT][2];
+#pragma unroll
+    for (int at = 0; at < AT; ++at)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        s2[at][h] = __half2half2(sc_next[at][h]);
+        if (kg + 1 < G) sc_next[at][h] = scp[at][h][kg + 1];
+      }
+    const unsigned char* xs = smem + (kg % S) * C::STAGE;
+    const unsigned char* ws = xs + C::X_BYTES;
+    uint4 va[AT], vb[AT];
+#pragma unroll
+    for (int at = 0; at < AT; ++at) {
+      const int r = (wr * AT + at) * 16 + g;
+      va[at] = *reinterpret_cast<const uint4*>(ws + r * 64 + t * 16);
+      vb[at] = *reinterpret_cast<const uint4*>(ws + (r + 8) * 64 + t * 16);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t A0[AT][4], A1[AT][4];
+#pragma unroll
+      for (int at = 0; at < AT; ++at) {
+        const uint32_t wa = j == 0 ? va[at].x : j == 1 ? va[at].y : j == 2 ? va[at].z : va[at].w;
+        const uint32_t wb = j == 0 ? vb[at].x : j == 1 ? vb[at].y : j == 2 ? vb[at].z : vb[at].w;
+        const uint32_t a8 = wa >> 8, b8 = wb >> 8;
+        auto lo = [&](uint32_t v, half2 s) {
+          return h2_bits(__hmul2(__hsub2(as_h2(lop3_and_or(v, 0x000F000Fu, kLo)), k1032), s));
+        };
+        auto hi = [&](uint32_t v, half2 s) {
+          return h2_bits(__hmul2(__hfma2(as_h2(lop3_and_or(v, 0x00F000F0u, kLo)), k16, k72), s));
+        };
+        A0[at][0] = lo(wa, s2[at][0]);
+        A0[at][1] = lo(wb, s2[at][1]);
+        A0[at][2] = hi(wa, s2[at][0]);
+        A0[at][3] = hi(wb, s2[at][1]);
+        A1[at][0] = lo(a8, s2[at][0]);
+        A1[at][1] = lo(b8, s2[at][1]);
+        A1[at][2] = hi(a8, s2[at][0]);
+        A1[at][3] = hi(b8, s2[at][1]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < BT; ++nt) {
+        const int tok = (wt * BT + nt) * 8 + g;
+        const int p = ((j << 2) | t) ^ ((tok & 1) << 2);
+        const uint4 xv = *reinterpret_cast<const uint4*>(xs + tok * 256 + p * 16);
+#pragma unroll
+        for (int at = 0; at < AT; ++at) {
+          mma16816(acc[at][nt], A0[at][0], A0[at][1], A0[at][2], A0[at][3], xv.x, xv.y);
+          mma16816(acc[at][nt], A1[at][0], A1[at][1], A1[at][2], A1[at][3], xv.z, xv.w);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // lane holds (row g / g+8, tokens 2t, 2t+1) of each tile
+#pragma unroll
+  for (int nt = 0; nt < BT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int tok = tok0 + (wt * BT + nt) * 8 + 2 * t + e;
+      if (tok >= a.m) continue;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (OP == OP_SILU) {
+          const int row = row0 + wr * 16 + g + 8 * h;
+          if (row >= a.n) continue;
+          const float gv = acc[0][nt][2 * h + e], uv = acc[1][nt][2 * h + e];
+          static_cast<half*>(a.out)[(size_t)tok * a.n + row] =
+              __float2half_rn(gv / (1.f + __expf(-gv)) * uv);
+        } else {
+#pragma unroll
+          for (int at = 0; at < AT; ++at) {
+            const int row = row0 + (wr * AT + at) * 16 + g + 8 * h;
+            if (row >= a.n) continue;
+            const float v = acc[at][nt][2 * h + e];
+            const size_t i = (size_t)tok * a.n + row;
+            if constexpr (OP == OP_STORE) {
+              const float b = a.bias ? __half2float(a.bias[row]) : 0.f;
+              static_cast<half*>(a.out)[i] = __float2half_rn(v + b);
+            } else {
+              static_cast<float*>(a.out)[i] += v;
+            }
+          }
+        }
+      }
+    }
+}
+
+// The two block shapes (chosen by m before any measurement: the lab's r4t1_b4_s4 and
+// r4t2_b8_s3; benchmarks/lab/w4a16_gemm.py times all eight): a short prompt (a next turn) in
+// 32-token blocks, a long one in 128-token blocks.
+constexpr int kShortM = 64;
+
+template <int WR, int WT, int BT, int S, int OP>
+cudaError_t launch(const char* fn, const GArgs& a, cudaStream_t stream) {
+  using C = Cfg<WR, WT, BT, S, OP>;
+  auto kern = gemm_int4_kernel<WR, WT, BT, S, OP>;
+  static const cudaError_t attr = set_max_smem(kern, C::SMEM);
+  if (attr != cudaSuccess) return smem_refused(attr, fn, C::SMEM);
+  const dim3 grid((a.n + C::ROWS_OUT - 1) / C::ROWS_OUT, (a.m + C::BM - 1) / C::BM);
+  if (grid.y > 65535u)
+    return nq_fail(cudaErrorInvalidValue, "%s: m=%d needs %u token blocks of %d, at most 65535",
+                   fn, a.m, grid.y, C::BM);
+  gemm_int4_kernel<WR, WT, BT, S, OP><<<grid, C::kThreads, C::SMEM, stream>>>(a);
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return e;
+  return nq_fail(e, "%s: launch of grid (%u, %u) x block %d with %d bytes of shared memory (m=%d "
+                 "n=%d k=%d) failed: %s", fn, grid.x, grid.y, C::kThreads, C::SMEM, a.m, a.n, a.k,
+                 cudaGetErrorString(e));
+}
+
+template <int OP>
+cudaError_t run(const char* fn, const GArgs& a, cudaStream_t stream) {
+  return a.m <= kShortM ? launch<4, 1, 4, 4, OP>(fn, a, stream)
+                        : launch<4, 2, 8, 3, OP>(fn, a, stream);
+}
+
+cudaError_t check(const char* fn, const void* out, const half* x, const uint32_t* qw,
+                  const half* sc, int m, int n, int k) {
+  if (!out || !x || !qw || !sc)
+    return nq_fail(cudaErrorInvalidValue, "%s: null pointer (out=%p x=%p qweight=%p scales=%p)",
+                   fn, out, (const void*)x, (const void*)qw, (const void*)sc);
+  if (m < 1 || n < 1)
+    return nq_fail(cudaErrorInvalidValue, "%s: m=%d and n=%d must be >= 1", fn, m, n);
+  if (k < kGroup || k % kGroup)
+    return nq_fail(cudaErrorInvalidValue,
+                   "%s: k=%d is not a positive multiple of the INT4 group %d", fn, k, kGroup);
+  if (misaligned16(x) || misaligned16(qw))
+    return nq_fail(cudaErrorInvalidValue, "%s: x=%p and qweight=%p must be 16-byte aligned", fn,
+                   (const void*)x, (const void*)qw);
+  if ((long long)m * k > INT_MAX || (long long)n * (k / 32) > INT_MAX)
+    return nq_fail(cudaErrorInvalidValue, "%s: m=%d n=%d k=%d is beyond the kernel's int offsets",
+                   fn, m, n, k);
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t gemm_int4(half* y, const half* x, const uint32_t* qweight, const half* scales,
+                      const half* bias, int m, int n, int k, cudaStream_t stream) {
+  if (cudaError_t e = check("gemm_int4", y, x, qweight, scales, m, n, k)) return e;
+  return run<OP_STORE>("gemm_int4", GArgs{y, x, qweight, scales, nullptr, nullptr, bias, m, n, k},
+                       stream);
+}
+
+cudaError_t gemm_int4_residual(float* hidden, const half* x, const uint32_t* qweight,
+                               const half* scales, int m, int n, int k, cudaStream_t stream) {
+  if (cudaError_t e = check("gemm_int4_residual", hidden, x, qweight, scales, m, n, k)) return e;
+  return run<OP_RESID>("gemm_int4_residual",
+                       GArgs{hidden, x, qweight, scales, nullptr, nullptr, nullptr, m, n, k},
+                       stream);
+}
+
+cudaError_t gemm_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate,
+                               const half* sc_gate, const uint32_t* qw_up, const half* sc_up,
+                               int m, int n, int k, cudaStream_t stream) {
+  if (cudaError_t e = check("gemm_int4_silu_mul", out, x, qw_gate, sc_gate, m, n, k)) return e;
+  if (!qw_up || !sc_up || misaligned16(qw_up))
+    return nq_fail(cudaErrorInvalidValue,
+                   "gemm_int4_silu_mul: up matrix qweight=%p (16-byte aligned) and scales=%p must "
+                   "be non-null", (const void*)qw_up, (const void*)sc_up);
+  return run<OP_SILU>("gemm_int4_silu_mul",
+                      GArgs{out, x, qw_gate, sc_gate, qw_up, sc_up, nullptr, m, n, k}, stream);
+}
+
+}  // namespace nanoqwen
