@@ -344,6 +344,10 @@ def cli_bench(args) -> int:
     if args.depth < 0:
         raise NanoqwenError(f"--depth {args.depth}: the cached tokens before each test, 0 or more")
     params = bench_sampler(args)
+    prefill_weights = getattr(args, "prefill_weights", "auto")
+    if prefill_weights != "auto" and args.backend == "reference":
+        raise NanoqwenError(f"--prefill-weights {prefill_weights}: the reference backend "
+                            "prefills one way (its fp32 weights)")
 
     # a repetition forwards the cached context and the prompt and makes n decode steps: d + p + n
     # positions (the last of its n + 1 tokens is sampled, not forwarded); the cache gets 16
@@ -360,7 +364,8 @@ def cli_bench(args) -> int:
         cfg.check_context(positions, "-d + -p + -n")
         from .backends.cuda import CudaBackend
 
-        backend = CudaBackend.synthetic(cfg, seed=0, max_context=_cache_size(positions, cfg))
+        backend = CudaBackend.synthetic(cfg, seed=0, max_context=_cache_size(positions, cfg),
+                                        prefill_weights=prefill_weights)
         source = f"synthetic {args.synthetic} (random weights, std 0.02)"
         size = backend._weight_bytes()
     else:
@@ -374,7 +379,7 @@ def cli_bench(args) -> int:
                 positions = _spec_positions(mf, args.n_gen)
         cfg.check_context(positions, "the longest request + -n" if spec else "-d + -p + -n")
         loaded = loader.load(path, backend=args.backend, max_context=_cache_size(positions, cfg),
-                             threads=args.threads)
+                             threads=args.threads, prefill_weights=prefill_weights)
         backend = loaded.backend
         source = str(path)
         size = sum(t.nbytes for t in loaded.model_file.tensors.values())

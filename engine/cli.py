@@ -23,7 +23,7 @@ import os
 import sys
 
 from .errors import NanoqwenError
-from .service import BACKENDS, MODES
+from .service import BACKENDS, MODES, PREFILL_WEIGHTS
 from .spec import SPEC_MODES
 
 EXIT_SIGPIPE = 128 + 13
@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--backend", choices=BACKENDS, default="auto")
     b.add_argument("-t", "--threads", type=int, default=None,
                     help="CPU threads of the reference backend (default: one per core)")
+    b.add_argument("--prefill-weights", choices=PREFILL_WEIGHTS, default="auto",
+                   help="the CUDA prefill's weights: fp16 copies kept resident, dequantized a "
+                        "layer at a time, or the INT4 weights themselves (gemm_int4); auto: "
+                        "resident where it fits with room to spare, else int4")
     b.add_argument("--json", action="store_true")
     b.add_argument("--spec", choices=SPEC_MODES, default=None,
                    help="speculative decoding on the code-editing workload (engine/"

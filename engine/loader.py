@@ -48,26 +48,30 @@ class LoadedEngine:
 
 
 def _cuda_backend(mf: ModelFile, mode: str, max_context: int | None,
-                  progress: Progress | None) -> Backend:
+                  progress: Progress | None, prefill_weights: str = "auto") -> Backend:
     if not torch.cuda.is_available():
         raise BackendUnavailable("no CUDA device is available")
     try:
         from .backends.cuda import CudaBackend
     except ImportError as e:
         raise BackendUnavailable(f"the CUDA backend cannot be imported: {e}") from e
-    return CudaBackend.from_model_file(mf, mode=mode, max_context=max_context, progress=progress)
+    return CudaBackend.from_model_file(mf, mode=mode, max_context=max_context, progress=progress,
+                                       prefill_weights=prefill_weights)
 
 
 def load(path: str | Path | None = None, backend: str = "auto", mode: str = "graph",
          progress: Progress | None = None, max_context: int | None = None,
-         verify: bool = True, threads: int | None = None) -> LoadedEngine:
+         verify: bool = True, threads: int | None = None,
+         prefill_weights: str = "auto") -> LoadedEngine:
     """Open `path` (default: the bundled model) and build `backend` ("auto"|"cuda"|"reference").
 
     `mode` is the decode mode to start in where the backend has it (the reference backend
     only has "eager" and ignores it). `max_context` caps the KV cache (default: the
     backend's own default). `verify` checks every tensor's checksum before any is used
     (module doc). `threads`: the CPU backend's OpenMP threads (reference.set_cpu_threads;
-    None: one per core); set before any weight is read, ignored by the CUDA backend. Raises
+    None: one per core); set before any weight is read, ignored by the CUDA backend.
+    `prefill_weights`: the CUDA prefill's weights (CudaBackend: auto|resident|dequant|int4);
+    the reference backend has one way. Raises
     FormatError for an unusable or corrupt file, BackendUnavailable for
     an explicit "cuda" that cannot run.
     """
@@ -88,7 +92,7 @@ def load(path: str | Path | None = None, backend: str = "auto", mode: str = "gra
         be: Backend | None = None
         if backend in ("auto", "cuda"):
             try:
-                be = _cuda_backend(mf, mode, max_context, progress)
+                be = _cuda_backend(mf, mode, max_context, progress, prefill_weights)
             except BackendUnavailable as e:
                 if backend == "cuda":
                     raise

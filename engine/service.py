@@ -40,6 +40,8 @@ from .rates import median_ms, tokens_per_s  # also the app's (it imports the ser
 # the one list of each, here where the torch-free app and the CLI's parser can read them.
 BACKENDS = ("auto", "cuda", "reference")
 MODES = ("graph", "eager")
+# the CUDA prefill's weights (CudaBackend's prefill_weights)
+PREFILL_WEIGHTS = ("auto", "resident", "dequant", "int4")
 BATCH_SECONDS = 0.04     # at most one Batch per window (the UI's message rate)
 ROLLING_SECONDS = 1.0    # the rolling decode figures cover the last second of decode steps
 

@@ -34,7 +34,7 @@ from ..config import KV_PAGE_SIZE, ModelConfig
 from ..errors import NanoqwenError
 from ..kv_cache import KVCache
 from ..rope import rope_tables
-from ..service import MODES
+from ..service import MODES, PREFILL_WEIGHTS
 from ..spec import K_MAX, SPEC_MODES
 from ..switches import read_switches
 from ..synthetic import SyntheticWeights
@@ -115,9 +115,9 @@ class CudaBackend(Backend):
         # the prefill's weights: "resident" fp16 copies (cuBLAS), "dequant" (one layer's fp16
         # copy at a time, cuBLAS) or "int4" (gemm_int4 on the INT4 weights, no copy); "auto":
         # resident where it fits with room to spare, else int4
-        if prefill_weights not in ("auto", "resident", "dequant", "int4"):
+        if prefill_weights not in PREFILL_WEIGHTS:
             raise ValueError(f"prefill_weights={prefill_weights!r}: use "
-                             "auto|resident|dequant|int4")
+                             + "|".join(PREFILL_WEIGHTS))
         need_dense = self._dense_bytes()
         self._check_memory(need_dense if prefill_weights == "resident" else 0,
                            scratch=prefill_weights == "dequant")
