@@ -463,6 +463,24 @@ int64_t gemm_rows(const char* op, const Tensor& x, int64_t k) {
   return x.size(0);
 }
 
+// gemm_int4's split-K scratch for one (m, n, k) launch: fp32 partials from the caching allocator
+// (none where the shape takes no split) and zeroed counters (`counters`: a kGemmCounters int
+// tensor that launches leave zeroed; undefined: fresh zeros, as the single ops use).
+struct Int4Scratch {
+  Tensor partials, counters;
+  nanoqwen::GemmScratch s{nullptr, 0, nullptr};
+  Int4Scratch(const Tensor& like, int64_t m, int64_t n, int64_t k, bool silu,
+              const Tensor& counters_in = Tensor()) {
+    const size_t floats = nanoqwen::gemm_int4_scratch_floats((int)m, (int)n, (int)k, silu);
+    if (floats == 0) return;
+    partials = at::empty({(int64_t)floats}, like.options().dtype(at::kFloat));
+    counters = counters_in.defined()
+        ? counters_in : at::zeros({nanoqwen::kGemmCounters}, like.options().dtype(at::kInt));
+    s = {partials.data_ptr<float>(), floats, counters.data_ptr<int>()};
+  }
+  const nanoqwen::GemmScratch* get() const { return s.partials ? &s : nullptr; }
+};
+
 void gemm_int4(Tensor& y, const Tensor& x, const Tensor& qweight, const Tensor& scales,
                const c10::optional<Tensor>& bias) {
   const char* op = "gemm_int4";
@@ -474,8 +492,9 @@ void gemm_int4(Tensor& y, const Tensor& x, const Tensor& qweight, const Tensor& 
   const half* b = opt_bias(op, bias, y, n);
   for (const Tensor* t : Ts{&x, &qweight, &scales}) same_device(op, y, *t, "an input");
   const c10::cuda::CUDAGuard g(y.device());
+  const Int4Scratch sc(y, m, n, k, false);
   check_launch(op, nanoqwen::gemm_int4(hp(y), chp(x), qw(qweight), chp(scales), b, (int)m, (int)n,
-                                       (int)k, stream_of(y)));
+                                       (int)k, sc.get(), stream_of(y)));
 }
 
 void gemm_int4_residual(Tensor& hidden, const Tensor& x, const Tensor& qweight,
@@ -489,8 +508,9 @@ void gemm_int4_residual(Tensor& hidden, const Tensor& x, const Tensor& qweight,
            " elements, expected m*n=", m * n);
   for (const Tensor* t : Ts{&x, &qweight, &scales}) same_device(op, hidden, *t, "an input");
   const c10::cuda::CUDAGuard g(hidden.device());
+  const Int4Scratch sc(hidden, m, n, k, false);
   check_launch(op, nanoqwen::gemm_int4_residual(hidden.data_ptr<float>(), chp(x), qw(qweight),
-                                                chp(scales), (int)m, (int)n, (int)k,
+                                                chp(scales), (int)m, (int)n, (int)k, sc.get(),
                                                 stream_of(hidden)));
 }
 
@@ -506,9 +526,10 @@ void gemm_int4_silu_mul(Tensor& out, const Tensor& x, const Tensor& qw_gate, con
   NQ_CHECK(out.numel() == m * n, op, ": out has ", out.numel(), " elements, expected m*n=", m * n);
   for (const Tensor* t : Ts{&x, &qw_gate, &sc_gate, &qw_up, &sc_up}) same_device(op, out, *t, "an input");
   const c10::cuda::CUDAGuard g(out.device());
+  const Int4Scratch sc(out, m, n, k, true);
   check_launch(op, nanoqwen::gemm_int4_silu_mul(hp(out), chp(x), qw(qw_gate), chp(sc_gate),
                                                 qw(qw_up), chp(sc_up), (int)m, (int)n, (int)k,
-                                                stream_of(out)));
+                                                sc.get(), stream_of(out)));
 }
 
 void gemv_fp16(Tensor& logits, const Tensor& x, const Tensor& w) {
@@ -589,9 +610,10 @@ class Engine : public torch::CustomClassHolder {
   //   up_sc, down_qw, down_sc, k_cache, v_cache
   // dense: 4 a layer (resident fp16 W_qkv, W_o, W_gate_up, W_down), or 4 scratch matrices
   //   (per-layer dequant before each layer's prefill GEMMs)
-  // ints: H, I, n_heads, n_kv, head_dim, vocab, 0 (the removed fuse_norm's slot, kept so the
-  //   layout stays), min_pps, num_splits, prefill weights (0 dequant, 1 resident, 2 int4: no
-  //   dense matrices, gemm_int4 on the INT4 weights), prefill_chunk
+  // ints: H, I, n_heads, n_kv, head_dim, vocab, int4_max_m (prompt chunks of at most this many
+  //   tokens go through gemm_int4 whatever the prefill weights; 0: never), min_pps, num_splits,
+  //   prefill weights (0 dequant, 1 resident, 2 int4: no dense matrices, gemm_int4 on the INT4
+  //   weights), prefill_chunk
   Engine(std::vector<Tensor> globals, std::vector<Tensor> layers, std::vector<Tensor> dense,
          std::vector<int64_t> ints, double eps, int64_t stream_ptr)
       : g_(std::move(globals)), l_(std::move(layers)), d_(std::move(dense)) {
@@ -615,8 +637,8 @@ class Engine : public torch::CustomClassHolder {
     nanoqwen::StepArgs& a = a_;
     a.H = (int)ints[0]; a.I = (int)ints[1]; a.n_heads = (int)ints[2]; a.n_kv = (int)ints[3];
     a.head_dim = (int)ints[4]; a.vocab = (int)ints[5];
-    NQ_CHECK(ints[6] == 0, op, ": ints[6]=", ints[6],
-             " must be 0 (it was fuse_norm; the fused-norm GEMVs moved to benchmarks/lab/)");
+    NQ_CHECK(ints[6] >= 0, op, ": int4_max_m=", ints[6], " must be >= 0");
+    int4_max_m_ = ints[6];
     a.min_pps = (int)ints[7]; a.num_splits = (int)ints[8]; a.eps = (float)eps;
     const int64_t H = a.H, I = a.I, nh = a.n_heads, nkv = a.n_kv, hd = a.head_dim, V = a.vocab;
     const int64_t qn = (nh + 2 * nkv) * hd, S = a.num_splits;
@@ -884,23 +906,30 @@ class Engine : public torch::CustomClassHolder {
       chunks.push_back({s, std::min(T, s + chunk_)});
       pos_t.push_back(at::full({1}, pos0 + s, iopt));
     }
+    bool all_int4 = true;   // every chunk through gemm_int4: the dequant path dequantizes nothing
+    for (const auto& ch : chunks) all_int4 = all_int4 && (int4_ || ch.second - ch.first <= int4_max_m_);
+    if (!split_counters_.defined())
+      split_counters_ = at::zeros({nanoqwen::kGemmCounters}, iopt);
     for (size_t li = 0; li < a.layers.size(); ++li) {
       const nanoqwen::LayerPtrs& L = a.layers[li];
       const Tensor* lt = &l_[15 * li];
       const Tensor* W = resident_ ? &d_[4 * li] : int4_ ? nullptr : &d_[0];
-      if (!resident_ && !int4_) dequant_layer(li);
+      if (!resident_ && !int4_ && !all_int4) dequant_layer(li);
       for (size_t c = 0; c < chunks.size(); ++c) {
         const int64_t s = chunks[c].first, e = chunks[c].second, tc = e - s;
+        const bool q4 = int4_ || tc <= int4_max_m_;   // this chunk through gemm_int4
         Tensor h = hidden.narrow(0, s, tc);                                       // [Tc, H]
         Tensor xn = at::empty({tc, H}, hopt);
         check_launch("prefill rmsnorm", nanoqwen::rmsnorm(hp(xn), h.data_ptr<float>(), L.ln1, (int)tc,
                                                           (int)H, a.eps, stream_));
         Tensor qkv;                                                               // [Tc, q+2kv]
-        if (int4_) {
+        if (q4) {
           qkv = at::empty({tc, (nh + 2 * nkv) * hd}, hopt);
+          const Int4Scratch sc(qkv, tc, (nh + 2 * nkv) * hd, H, false, split_counters_);
           check_launch("prefill gemm_int4 (qkv)",
                        nanoqwen::gemm_int4(hp(qkv), chp(xn), qw(lt[2]), chp(lt[3]), chp(lt[4]),
-                                           (int)tc, (int)((nh + 2 * nkv) * hd), (int)H, stream_));
+                                           (int)tc, (int)((nh + 2 * nkv) * hd), (int)H, sc.get(),
+                                           stream_));
         } else {
           qkv = at::linear(xn, W[0], lt[4]);
         }
@@ -911,26 +940,32 @@ class Engine : public torch::CustomClassHolder {
                                              a.table_len, (int)tc, (int)nh, (int)nkv, (int)hd,
                                              stream_));
         Tensor att = attention(q, lt[13], lt[14], pos0 + s, pos0 + e);            // [Tc, nh*hd]
-        if (int4_)
+        if (q4) {
+          const Int4Scratch sc(h, tc, H, nh * hd, false, split_counters_);
           check_launch("prefill gemm_int4_residual (o_proj)",
                        nanoqwen::gemm_int4_residual(h.data_ptr<float>(), chp(att), qw(lt[5]),
                                                     chp(lt[6]), (int)tc, (int)H, (int)(nh * hd),
-                                                    stream_));
-        else
+                                                    sc.get(), stream_));
+        } else {
           h.add_(at::linear(att, W[1]));
+        }
         check_launch("prefill rmsnorm", nanoqwen::rmsnorm(hp(xn), h.data_ptr<float>(), L.ln2, (int)tc,
                                                           (int)H, a.eps, stream_));
-        if (int4_) {
+        if (q4) {
           // gate and up summed in fp32 and SiLU*mul in fp32, one rounding (the decode GEMV's)
           Tensor act = at::empty({tc, I}, hopt);
-          check_launch("prefill gemm_int4_silu_mul (gate/up)",
-                       nanoqwen::gemm_int4_silu_mul(hp(act), chp(xn), qw(lt[7]), chp(lt[8]),
-                                                    qw(lt[9]), chp(lt[10]), (int)tc, (int)I,
-                                                    (int)H, stream_));
+          {
+            const Int4Scratch sc(act, tc, I, H, true, split_counters_);
+            check_launch("prefill gemm_int4_silu_mul (gate/up)",
+                         nanoqwen::gemm_int4_silu_mul(hp(act), chp(xn), qw(lt[7]), chp(lt[8]),
+                                                      qw(lt[9]), chp(lt[10]), (int)tc, (int)I,
+                                                      (int)H, sc.get(), stream_));
+          }
+          const Int4Scratch sc(h, tc, H, I, false, split_counters_);
           check_launch("prefill gemm_int4_residual (down_proj)",
                        nanoqwen::gemm_int4_residual(h.data_ptr<float>(), chp(act), qw(lt[11]),
                                                     chp(lt[12]), (int)tc, (int)H, (int)I,
-                                                    stream_));
+                                                    sc.get(), stream_));
         } else {
           Tensor gu = at::linear(xn, W[2]).to(at::kFloat);                        // [Tc, 2I]
           // fp32 math, one rounding, as the decode GEMV
@@ -1116,6 +1151,8 @@ class Engine : public torch::CustomClassHolder {
   std::string vnote_;
   bool resident_ = false;
   bool int4_ = false;   // the prefill multiplies the INT4 weights (gemm_int4), no fp16 copy
+  int64_t int4_max_m_ = 0;   // chunks of at most this many tokens through gemm_int4 anyway
+  Tensor split_counters_;    // gemm_int4's split-K tile counters (kGemmCounters, kept zeroed)
   int64_t chunk_ = 2048;
   c10::Device device_{c10::kCUDA, 0};
   cudaStream_t stream_ = nullptr;

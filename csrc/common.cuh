@@ -124,6 +124,14 @@ __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, b
                "r"(pred ? 16 : 0)
                : "memory");
 }
+// 4 bytes global -> shared through L1 (.ca: .cg takes 16 only), the first `bytes` (0, 2 or 4)
+// read and the rest zero-filled; both addresses 4-byte aligned. Used by gemm_int4.cu for the
+// scales (2 bytes each: the aligned pair holding one, read only as far as it must be).
+__device__ __forceinline__ void cp_async4_fill(void* smem, const void* gmem, int bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(gmem), "r"(bytes)
+               : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

@@ -19,12 +19,22 @@
 //   X stage: BM rows x 256 B; token chunk c = 4t + j stored at (4j + t) ^ (4 * (token & 1)), so a
 //            quarter warp's 16-byte reads (two tokens, t = 0..3, one j) hit 8 distinct bank groups;
 //   W stage: BN rows x 64 B, conflict-free as laid out;
-//   scales:  each lane loads its rows' scales of the next group from global memory while the
-//            current group computes.
+//   scales:  BN x 4 B: row r's scale of the stage's group, copied by a 4-byte cp.async of the
+//            aligned pair of halves holding it (the reader picks the half by the index's
+//            parity), S - 1 groups ahead like the rest of the stage. (The first version loaded
+//            them one group ahead into registers: a DRAM latency each group at small m.)
 // Tokens past m and rows past n are zero-filled (cp.async src-size 0) and never written.
+//
+// Split-K (short prompts, where the output tiles alone would leave most SMs idle): grid.z
+// splits the groups into contiguous ranges; each block stores its fp32 partial sums in
+// `partials` [split][m][cols] and counts itself in its tile's counter; the tile's last block
+// sums the partials in split order (deterministic, whichever block comes last), resets the
+// counter to 0 for the next launch, and runs the epilogue.
 // The index math was emulated lane by lane on the CPU before the first device run
 // (benchmarks/lab/w4a16_emulate.py); the lab's variants are in benchmarks/lab/w4a16_gemm_lab.cu.
 #include <limits.h>
+
+#include <algorithm>
 
 #include "common.cuh"
 #include "gemv.h"
@@ -44,6 +54,9 @@ struct GArgs {
   const half* sc2;
   const half* bias;
   int m, n, k;
+  float* partials;   // split-K: [splits][m][cols] fp32 (cols = n, SiLU: 2n); unused at 1 split
+  int* counters;     // split-K: a zeroed int per output tile, left zeroed
+  int splits;
 };
 
 template <int WR, int WT, int BT, int S, int OP>
@@ -53,7 +66,7 @@ struct Cfg {
   static constexpr int BM = WT * BT * 8;               // tokens
   static constexpr int ROWS_OUT = OP == OP_SILU ? WR * 16 : BN;
   static constexpr int X_BYTES = BM * 256;
-  static constexpr int STAGE = X_BYTES + BN * 64;
+  static constexpr int STAGE = X_BYTES + BN * 64 + BN * 4;
   static constexpr int SMEM = S * STAGE;
 };
 
@@ -69,10 +82,14 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
   const int tok0 = blockIdx.y * C::BM;
   const int G = a.k / kGroup;
   const int kw4 = a.k / 32;   // 16-byte chunks a weight row
+  // this block's groups (split-K: a contiguous share of them)
+  const int kb = (int)((long long)G * blockIdx.z / a.splits);
+  const int nkg = (int)((long long)G * (blockIdx.z + 1) / a.splits) - kb;
 
   auto load_stage = [&](int slot, int kg) {
     unsigned char* xs = smem + slot * C::STAGE;
     unsigned char* ws = xs + C::X_BYTES;
+    unsigned char* ss = ws + C::BN * 64;
     for (int c = tid; c < C::BM * 16; c += C::kThreads) {
       const int tok = c >> 4, cc = c & 15;
       const int p = (((cc & 3) << 2) | (cc >> 2)) ^ ((tok & 1) << 2);
@@ -97,18 +114,33 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
       cp_async16_zfill(ws + r * 64 + ch * 16, base + (size_t)(ok ? grow : 0) * kw4 + kg * 4 + ch,
                        ok);
     }
+    for (int r = tid; r < C::BN; r += C::kThreads) {
+      int grow;
+      const half* sbase;
+      if constexpr (OP == OP_SILU) {
+        const int rem = r % 32;
+        grow = row0 + (r / 32) * 16 + (rem % 16);
+        sbase = rem >= 16 ? a.sc2 : a.sc;
+      } else {
+        grow = row0 + r;
+        sbase = a.sc;
+      }
+      const bool ok = grow < a.n;
+      const size_t e = (size_t)(ok ? grow : 0) * G + kg;   // the scale's index; its pair: e & ~1
+      cp_async4_fill(ss + r * 4, sbase + (e & ~(size_t)1), !ok ? 0 : (e & 1) ? 4 : 2);
+    }
   };
 
-  // this lane's rows (tile at, rows g and g+8): their scale rows
-  const half* scp[AT][2];
+  // this lane's rows (tile at, rows g and g+8): the parity of their scale rows' first index
+  // (row * G; the group adds its own), which says which half of the stage's pair is the scale
+  int spar[AT][2];
 #pragma unroll
   for (int at = 0; at < AT; ++at)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int grow = OP == OP_SILU ? row0 + wr * 16 + g + 8 * h
                                      : row0 + (wr * AT + at) * 16 + g + 8 * h;
-      const half* sbase = (OP == OP_SILU && at == 1) ? a.sc2 : a.sc;
-      scp[at][h] = sbase + (size_t)(grow < a.n ? grow : 0) * G;
+      spar[at][h] = (int)(((size_t)(grow < a.n ? grow : 0) * G) & 1);
     }
 
   float acc[AT][BT][4];
@@ -121,36 +153,33 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
 
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
-    if (s < G) load_stage(s, s);
+    if (s < nkg) load_stage(s, kb + s);
     cp_async_commit();
   }
-  half sc_next[AT][2];
-#pragma unroll
-  for (int at = 0; at < AT; ++at)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) sc_next[at][h] = scp[at][h][0];
 
   const uint32_t kLo = 0x64006400u;
   const half2 k1032 = as_h2(0x64086408u), k16 = as_h2(0x2C002C00u), k72 = as_h2(0xD480D480u);
 
-  for (int kg = 0; kg < G; ++kg) {
+  for (int i = 0; i < nkg; ++i) {
+    const int kg = kb + i;
     cp_async_wait<S - 2>();
     __syncthreads();
     {
-      const int nk = kg + S - 1;
-      if (nk < G) load_stage(nk % S, nk);
+      const int ni = i + S - 1;
+      if (ni < nkg) load_stage(ni % S, kb + ni);
       cp_async_commit();
     }
+    const unsigned char* xs = smem + (i % S) * C::STAGE;
+    const unsigned char* ws = xs + C::X_BYTES;
+    const unsigned short* ss = reinterpret_cast<const unsigned short*>(ws + C::BN * 64);
     half2 s2[AT][2];
 #pragma unroll
     for (int at = 0; at < AT; ++at)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        s2[at][h] = __half2half2(sc_next[at][h]);
-        if (kg + 1 < G) sc_next[at][h] = scp[at][h][kg + 1];
+        const int r = (wr * AT + at) * 16 + g + 8 * h;
+        s2[at][h] = __half2half2(__ushort_as_half(ss[2 * r + ((spar[at][h] ^ kg) & 1)]));
       }
-    const unsigned char* xs = smem + (kg % S) * C::STAGE;
-    const unsigned char* ws = xs + C::X_BYTES;
     uint4 va[AT], vb[AT];
 #pragma unroll
     for (int at = 0; at < AT; ++at) {
@@ -196,6 +225,52 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
   }
   cp_async_wait<0>();
 
+  if (a.splits > 1) {
+    // this split's partial sums out; the tile's last block sums them all in split order
+    const int cols = OP == OP_SILU ? 2 * a.n : a.n;
+    float* mine = a.partials + (size_t)blockIdx.z * a.m * cols;
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+      if (pass == 1) {
+        __threadfence();
+        __syncthreads();
+        __shared__ int last;
+        if (tid == 0) {
+          const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+          last = atomicAdd(&a.counters[tile], 1) == a.splits - 1;
+          if (last) a.counters[tile] = 0;   // stream order: the next launch finds it zeroed
+        }
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+      }
+#pragma unroll
+      for (int nt = 0; nt < BT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = tok0 + (wt * BT + nt) * 8 + 2 * t + e;
+          if (tok >= a.m) continue;
+#pragma unroll
+          for (int at = 0; at < AT; ++at)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int row = OP == OP_SILU ? row0 + wr * 16 + g + 8 * h
+                                            : row0 + (wr * AT + at) * 16 + g + 8 * h;
+              if (row >= a.n) continue;
+              const size_t i = (size_t)tok * cols + (OP == OP_SILU && at == 1 ? a.n : 0) + row;
+              float& v = acc[at][nt][2 * h + e];
+              if (pass == 0) {
+                mine[i] = v;
+              } else {
+                float sum = 0.f;
+                for (int z = 0; z < a.splits; ++z) sum += __ldcg(a.partials + (size_t)z * a.m * cols + i);
+                v = sum;
+              }
+            }
+        }
+    }
+  }
+
   // lane holds (row g / g+8, tokens 2t, 2t+1) of each tile
 #pragma unroll
   for (int nt = 0; nt < BT; ++nt)
@@ -235,13 +310,51 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
 // 32-token blocks, a long one in 128-token blocks.
 constexpr int kShortM = 64;
 
+// Split-K: how many splits an (m, n, k) launch of this shape takes: none once the output tiles
+// fill the card's resident blocks; otherwise enough to fill them, each split >= 4 groups (the
+// ring's depth), at most kMaxSplits and kGemmCounters tiles.
+constexpr int kMaxSplits = 16;
+
 template <int WR, int WT, int BT, int S, int OP>
-cudaError_t launch(const char* fn, const GArgs& a, cudaStream_t stream) {
+int splits_for(int m, int n, int k) {
+  using C = Cfg<WR, WT, BT, S, OP>;
+  static const int resident = [] {
+    int dev = 0, sms = 0, per_sm = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        set_max_smem(gemm_int4_kernel<WR, WT, BT, S, OP>, C::SMEM) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemm_int4_kernel<WR, WT, BT, S, OP>,
+                                                      C::kThreads, C::SMEM) != cudaSuccess) {
+      cudaGetLastError();   // no split then: the launch reports what is wrong
+      return 0;
+    }
+    return sms * (per_sm > 0 ? per_sm : 1);
+  }();
+  const long long tiles =
+      (long long)((n + C::ROWS_OUT - 1) / C::ROWS_OUT) * ((m + C::BM - 1) / C::BM);
+  if (tiles * 2 > resident || tiles > kGemmCounters) return 1;
+  const int by_groups = (k / kGroup) / 4;
+  const long long want = resident / tiles;
+  return (int)std::max(1LL, std::min<long long>({want, (long long)by_groups, kMaxSplits}));
+}
+
+template <int WR, int WT, int BT, int S, int OP>
+cudaError_t launch(const char* fn, GArgs a, const GemmScratch* scratch, cudaStream_t stream) {
   using C = Cfg<WR, WT, BT, S, OP>;
   auto kern = gemm_int4_kernel<WR, WT, BT, S, OP>;
   static const cudaError_t attr = set_max_smem(kern, C::SMEM);
   if (attr != cudaSuccess) return smem_refused(attr, fn, C::SMEM);
-  const dim3 grid((a.n + C::ROWS_OUT - 1) / C::ROWS_OUT, (a.m + C::BM - 1) / C::BM);
+  a.splits = scratch ? splits_for<WR, WT, BT, S, OP>(a.m, a.n, a.k) : 1;
+  if (a.splits > 1) {
+    const size_t need = (size_t)a.splits * a.m * (OP == OP_SILU ? 2 * a.n : a.n);
+    if (!scratch->partials || !scratch->counters || scratch->partial_floats < need)
+      return nq_fail(cudaErrorInvalidValue, "%s: split-K scratch of %zu floats (counters %p) for "
+                     "m=%d n=%d k=%d, which needs %zu (gemm_int4_scratch_floats)", fn,
+                     scratch->partial_floats, (void*)scratch->counters, a.m, a.n, a.k, need);
+    a.partials = scratch->partials;
+    a.counters = scratch->counters;
+  }
+  const dim3 grid((a.n + C::ROWS_OUT - 1) / C::ROWS_OUT, (a.m + C::BM - 1) / C::BM, a.splits);
   if (grid.y > 65535u)
     return nq_fail(cudaErrorInvalidValue, "%s: m=%d needs %u token blocks of %d, at most 65535",
                    fn, a.m, grid.y, C::BM);
@@ -254,9 +367,14 @@ cudaError_t launch(const char* fn, const GArgs& a, cudaStream_t stream) {
 }
 
 template <int OP>
-cudaError_t run(const char* fn, const GArgs& a, cudaStream_t stream) {
-  return a.m <= kShortM ? launch<4, 1, 4, 4, OP>(fn, a, stream)
-                        : launch<4, 2, 8, 3, OP>(fn, a, stream);
+cudaError_t run(const char* fn, const GArgs& a, const GemmScratch* scratch, cudaStream_t stream) {
+  return a.m <= kShortM ? launch<4, 1, 4, 4, OP>(fn, a, scratch, stream)
+                        : launch<4, 2, 8, 3, OP>(fn, a, scratch, stream);
+}
+
+template <int OP>
+int run_splits(int m, int n, int k) {
+  return m <= kShortM ? splits_for<4, 1, 4, 4, OP>(m, n, k) : splits_for<4, 2, 8, 3, OP>(m, n, k);
 }
 
 cudaError_t check(const char* fn, const void* out, const half* x, const uint32_t* qw,
@@ -269,9 +387,10 @@ cudaError_t check(const char* fn, const void* out, const half* x, const uint32_t
   if (k < kGroup || k % kGroup)
     return nq_fail(cudaErrorInvalidValue,
                    "%s: k=%d is not a positive multiple of the INT4 group %d", fn, k, kGroup);
-  if (misaligned16(x) || misaligned16(qw))
-    return nq_fail(cudaErrorInvalidValue, "%s: x=%p and qweight=%p must be 16-byte aligned", fn,
-                   (const void*)x, (const void*)qw);
+  if (misaligned16(x) || misaligned16(qw) || (reinterpret_cast<uintptr_t>(sc) & 3u))
+    return nq_fail(cudaErrorInvalidValue,
+                   "%s: x=%p and qweight=%p must be 16-byte aligned, scales=%p 4-byte aligned", fn,
+                   (const void*)x, (const void*)qw, (const void*)sc);
   if ((long long)m * k > INT_MAX || (long long)n * (k / 32) > INT_MAX)
     return nq_fail(cudaErrorInvalidValue, "%s: m=%d n=%d k=%d is beyond the kernel's int offsets",
                    fn, m, n, k);
@@ -280,31 +399,45 @@ cudaError_t check(const char* fn, const void* out, const half* x, const uint32_t
 
 }  // namespace
 
+size_t gemm_int4_scratch_floats(int m, int n, int k, bool silu) {
+  if (m < 1 || n < 1 || k < kGroup) return 0;
+  const int s = silu ? run_splits<OP_SILU>(m, n, k) : run_splits<OP_STORE>(m, n, k);
+  return s > 1 ? (size_t)s * m * (silu ? 2 * n : n) : 0;
+}
+
 cudaError_t gemm_int4(half* y, const half* x, const uint32_t* qweight, const half* scales,
-                      const half* bias, int m, int n, int k, cudaStream_t stream) {
+                      const half* bias, int m, int n, int k, const GemmScratch* scratch,
+                      cudaStream_t stream) {
   if (cudaError_t e = check("gemm_int4", y, x, qweight, scales, m, n, k)) return e;
-  return run<OP_STORE>("gemm_int4", GArgs{y, x, qweight, scales, nullptr, nullptr, bias, m, n, k},
-                       stream);
+  return run<OP_STORE>("gemm_int4",
+                       GArgs{y, x, qweight, scales, nullptr, nullptr, bias, m, n, k, nullptr,
+                             nullptr, 1},
+                       scratch, stream);
 }
 
 cudaError_t gemm_int4_residual(float* hidden, const half* x, const uint32_t* qweight,
-                               const half* scales, int m, int n, int k, cudaStream_t stream) {
+                               const half* scales, int m, int n, int k,
+                               const GemmScratch* scratch, cudaStream_t stream) {
   if (cudaError_t e = check("gemm_int4_residual", hidden, x, qweight, scales, m, n, k)) return e;
   return run<OP_RESID>("gemm_int4_residual",
-                       GArgs{hidden, x, qweight, scales, nullptr, nullptr, nullptr, m, n, k},
-                       stream);
+                       GArgs{hidden, x, qweight, scales, nullptr, nullptr, nullptr, m, n, k,
+                             nullptr, nullptr, 1},
+                       scratch, stream);
 }
 
 cudaError_t gemm_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate,
                                const half* sc_gate, const uint32_t* qw_up, const half* sc_up,
-                               int m, int n, int k, cudaStream_t stream) {
+                               int m, int n, int k, const GemmScratch* scratch,
+                               cudaStream_t stream) {
   if (cudaError_t e = check("gemm_int4_silu_mul", out, x, qw_gate, sc_gate, m, n, k)) return e;
-  if (!qw_up || !sc_up || misaligned16(qw_up))
+  if (!qw_up || !sc_up || misaligned16(qw_up) || (reinterpret_cast<uintptr_t>(sc_up) & 3u))
     return nq_fail(cudaErrorInvalidValue,
-                   "gemm_int4_silu_mul: up matrix qweight=%p (16-byte aligned) and scales=%p must "
-                   "be non-null", (const void*)qw_up, (const void*)sc_up);
+                   "gemm_int4_silu_mul: up matrix qweight=%p (16-byte aligned) and scales=%p "
+                   "(4-byte aligned) must be non-null", (const void*)qw_up, (const void*)sc_up);
   return run<OP_SILU>("gemm_int4_silu_mul",
-                      GArgs{out, x, qw_gate, sc_gate, qw_up, sc_up, nullptr, m, n, k}, stream);
+                      GArgs{out, x, qw_gate, sc_gate, qw_up, sc_up, nullptr, m, n, k, nullptr,
+                            nullptr, 1},
+                      scratch, stream);
 }
 
 }  // namespace nanoqwen

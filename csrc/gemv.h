@@ -70,18 +70,33 @@ cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k,
 
 // The prefill's projections over m tokens at once (gemm_int4.cu; issue 14 item 1): the same
 // INT4 layout, on tensor cores, no fp16 copy of the weight. x [m, k] half, m >= 1 (any m; the
-// kernel picks its block shape by m); n, k as above; the weight is formed exactly as
-// dequant_int4's and multiplied in fp32. Not captured in a graph, no PDL: plain launches.
+// kernel picks its block shape by m); n, k as above (scales 4-byte aligned); the weight is formed
+// exactly as dequant_int4's and multiplied in fp32. Not captured in a graph, no PDL.
+// `scratch` (may be null: no split): where a short prompt's output tiles would leave SMs idle,
+// K is split across blocks whose fp32 partials go to scratch->partials (at least
+// gemm_int4_scratch_floats(m, n, k, silu) floats; 0 means no split for that shape) and are
+// summed in a fixed order (deterministic); scratch->counters: kGemmCounters ints, zeroed once,
+// which every launch leaves zeroed (launches sharing them must be stream-ordered).
+constexpr int kGemmCounters = 1024;
+struct GemmScratch {
+  float* partials;
+  size_t partial_floats;
+  int* counters;
+};
+size_t gemm_int4_scratch_floats(int m, int n, int k, bool silu);
 //   y[t][n] = sum_k W[n,k] x[t][k] (+ bias[n])           y half [m, n]
 cudaError_t gemm_int4(half* y, const half* x, const uint32_t* qweight, const half* scales,
-                      const half* bias, int m, int n, int k, cudaStream_t stream);
+                      const half* bias, int m, int n, int k, const GemmScratch* scratch,
+                      cudaStream_t stream);
 //   hidden[t][n] += sum_k W[n,k] x[t][k]                  hidden fp32 [m, n]
 cudaError_t gemm_int4_residual(float* hidden, const half* x, const uint32_t* qweight,
-                               const half* scales, int m, int n, int k, cudaStream_t stream);
+                               const half* scales, int m, int n, int k,
+                               const GemmScratch* scratch, cudaStream_t stream);
 //   out[t][j] = silu(Wg x[t])[j] * (Wu x[t])[j]           out half [m, n], fp32 sums
 cudaError_t gemm_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate,
                                const half* sc_gate, const uint32_t* qw_up, const half* sc_up,
-                               int m, int n, int k, cudaStream_t stream);
+                               int m, int n, int k, const GemmScratch* scratch,
+                               cudaStream_t stream);
 
 // w half [n, k] = dequantize(qweight, scales); bit-identical to quant.dequantize(...).half()
 // ((u-8)*s is formed exactly and rounded once). Prefill uses it to feed cuBLAS.

@@ -4,6 +4,10 @@ A/B measurements (README, "measurement switches"; the numbers are in benchmarks/
     NANOQWEN_PDL=0|1           programmatic dependent launch, default 1 (on)    csrc/common.cuh
     NANOQWEN_ATTN_MIN_PPS=n    attention_decode's minimum KV pages per split,    backends/cuda.py
                                n = 1..8192 in decimal digits, default 2
+    NANOQWEN_INT4_MAX_M=n      prompt chunks of at most n tokens go through      backends/cuda.py
+                               gemm_int4 on the INT4 weights even where the
+                               prefill has fp16 ones (resident or dequant);
+                               n = 0 (never) .. 2048, default INT4_MAX_M_DEFAULT
 
 Unset or empty means the default; any other value raises SwitchError naming the variable, the
 value and what is allowed, because a typo that silently measured the default would be a wrong
@@ -41,6 +45,12 @@ ATTN_MIN_PPS_DEFAULT = 2
 # count already means one split per kv head, so larger ones change nothing, and the bound keeps
 # the kernel's int page arithmetic (split * pages_per_split) far from overflow.
 ATTN_MIN_PPS_MAX = 8192
+INT4_MAX_M = "NANOQWEN_INT4_MAX_M"
+# a next turn's few dozen new tokens: gemm_int4 reads the INT4 weights once, where cuBLAS reads
+# twice their bytes in fp16 (or the dequant path writes and rereads them); measured in
+# benchmarks/RESULTS.md (session 18)
+INT4_MAX_M_DEFAULT = 64
+INT4_MAX_M_MAX = 2048   # CudaBackend's PREFILL_CHUNK: no chunk is longer
 
 
 class SwitchError(NanoqwenError, ValueError):
@@ -52,6 +62,7 @@ class SwitchError(NanoqwenError, ValueError):
 class Switches:
     pdl: bool = True            # NANOQWEN_PDL
     attn_min_pps: int = ATTN_MIN_PPS_DEFAULT  # NANOQWEN_ATTN_MIN_PPS
+    int4_max_m: int = INT4_MAX_M_DEFAULT      # NANOQWEN_INT4_MAX_M
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -64,17 +75,17 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     return v == "1"
 
 
-def _min_pps(env: Mapping[str, str]) -> int:
-    v = env.get(ATTN_MIN_PPS, "")
+def _count(env: Mapping[str, str], name: str, default: int, lo: int, hi: int, what: str) -> int:
+    v = env.get(name, "")
     if v == "":
-        return ATTN_MIN_PPS_DEFAULT
+        return default
     # ASCII digits only (no sign, space, '_' or other Unicode digits, all of which int() takes),
     # leading zeros allowed. The pattern bounds the length, so int() never sees a huge string.
-    if not re.fullmatch(r"0*[1-9][0-9]{0,3}", v) or int(v.lstrip("0")) > ATTN_MIN_PPS_MAX:
-        raise SwitchError(f"{ATTN_MIN_PPS}={v!r} is not allowed: use a whole number of KV pages "
-                          f"per split from 1 to {ATTN_MIN_PPS_MAX}, or leave it unset "
-                          f"(default {ATTN_MIN_PPS_DEFAULT})")
-    return int(v.lstrip("0"))
+    digits = v.lstrip("0") or "0"
+    if not re.fullmatch(r"[0-9]{1,12}", digits) or not lo <= int(digits) <= hi:
+        raise SwitchError(f"{name}={v!r} is not allowed: use a whole number of {what} "
+                          f"from {lo} to {hi}, or leave it unset (default {default})")
+    return int(digits)
 
 
 def read_switches(env: Mapping[str, str] | None = None) -> Switches:
@@ -83,4 +94,8 @@ def read_switches(env: Mapping[str, str] | None = None) -> Switches:
     for name, why in REMOVED.items():
         if env.get(name, "") != "":
             raise SwitchError(f"{name}={env[name]!r}: this switch was removed ({why}); unset it")
-    return Switches(pdl=_flag(env, PDL, True), attn_min_pps=_min_pps(env))
+    return Switches(pdl=_flag(env, PDL, True),
+                    attn_min_pps=_count(env, ATTN_MIN_PPS, ATTN_MIN_PPS_DEFAULT, 1,
+                                        ATTN_MIN_PPS_MAX, "KV pages per split"),
+                    int4_max_m=_count(env, INT4_MAX_M, INT4_MAX_M_DEFAULT, 0, INT4_MAX_M_MAX,
+                                      "prompt tokens"))

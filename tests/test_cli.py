@@ -287,6 +287,7 @@ def test_bench_defaults_to_the_bundled_model(capsys):
     (["--synthetic", "7b"], "--synthetic makes its weights on the GPU"),
     (["-p", "4000"], "exceeds the model's context 4096"),
     (["-d", "-1"], "--depth -1: the cached tokens before each test, 0 or more"),
+    (["--prefill-weights", "int4"], "--prefill-weights int4: the reference backend prefills one way"),
     (["-d", "3800", "-p", "200", "-n", "128"],
      "-d + -p + -n = 4128 exceeds the model's context 4096"),
 ])

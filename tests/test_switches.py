@@ -1,5 +1,5 @@
 """The measurement switches (engine/switches.py): every accepted and rejected form of
-NANOQWEN_PDL and NANOQWEN_ATTN_MIN_PPS, the removed NANOQWEN_FUSE_NORM refused when set, the C++
+NANOQWEN_PDL, NANOQWEN_ATTN_MIN_PPS and NANOQWEN_INT4_MAX_M, the removed NANOQWEN_FUSE_NORM refused when set, the C++
 side's constants, and a bad value reaching the user as a message (CUDA backend init, loader,
 CLI, app) instead of a traceback or a silent fallback. CPU only: where a path needs CUDA, torch.cuda.is_available is
 patched to True and the check fires before anything touches the device."""
@@ -17,12 +17,13 @@ from nanoqwen import REPO_ROOT
 from nanoqwen.engine import loader
 from nanoqwen.engine.cli import main
 from nanoqwen.engine.errors import BackendUnavailable, NanoqwenError
-from nanoqwen.engine.switches import (ATTN_MIN_PPS, ATTN_MIN_PPS_DEFAULT, ATTN_MIN_PPS_MAX, PDL,
+from nanoqwen.engine.switches import (ATTN_MIN_PPS, ATTN_MIN_PPS_DEFAULT, ATTN_MIN_PPS_MAX,
+                                      INT4_MAX_M, INT4_MAX_M_DEFAULT, INT4_MAX_M_MAX, PDL,
                                       REMOVED, SwitchError, Switches, read_switches)
 
 FLAGS = [(PDL, "pdl", True)]  # (variable, field, default)
 FUSE_NORM = "NANOQWEN_FUSE_NORM"  # removed: refused when set
-ALL = (PDL, ATTN_MIN_PPS, *REMOVED)
+ALL = (PDL, ATTN_MIN_PPS, INT4_MAX_M, *REMOVED)
 
 
 @pytest.fixture
@@ -77,6 +78,31 @@ def test_min_pps_rejects_anything_else(env, value):
     msg = str(ei.value)
     assert ATTN_MIN_PPS in msg and repr(value) in msg
     assert f"from 1 to {ATTN_MIN_PPS_MAX}" in msg and f"default {ATTN_MIN_PPS_DEFAULT}" in msg
+
+
+@pytest.mark.parametrize("value,expected", [("0", 0), ("00", 0), ("1", 1), ("64", 64),
+                                            ("0128", 128), ("2048", 2048)])
+def test_int4_max_m_accepts_0_to_the_prefill_chunk(env, value, expected):
+    env(INT4_MAX_M, value)
+    assert read_switches().int4_max_m == expected
+
+
+@pytest.mark.parametrize("value", ["2049", "4096", "-1", "+3", " 3", "3 ", "3.0", "1e3", "0x10",
+                                   "1_0", "abc", "٣", "9" * 5000, "0" * 5000 + "2049"])
+def test_int4_max_m_rejects_anything_else(env, value):
+    env(INT4_MAX_M, value)
+    with pytest.raises(SwitchError) as ei:
+        read_switches()
+    msg = str(ei.value)
+    assert INT4_MAX_M in msg and repr(value) in msg
+    assert f"from 0 to {INT4_MAX_M_MAX}" in msg and f"default {INT4_MAX_M_DEFAULT}" in msg
+
+
+def test_int4_max_m_bound_is_the_prefill_chunk():
+    """No prompt chunk is longer than PREFILL_CHUNK, so a larger bound would mean nothing."""
+    from nanoqwen.engine.backends.cuda import PREFILL_CHUNK
+
+    assert INT4_MAX_M_MAX == PREFILL_CHUNK
 
 
 def test_every_switch_is_checked_with_the_others_valid(env):

@@ -113,18 +113,22 @@ class CudaBackend(Backend):
         self._gen_id = 0
         self._lock = threading.RLock()
         # the prefill's weights: "resident" fp16 copies (cuBLAS), "dequant" (one layer's fp16
-        # copy at a time, cuBLAS) or "int4" (gemm_int4 on the INT4 weights, no copy); "auto":
-        # resident where it fits with room to spare, else int4
+        # copy at a time, cuBLAS) or "int4" (gemm_int4 on the INT4 weights, no copy). Whatever
+        # they are, prompt chunks of at most switches.int4_max_m tokens (a next turn) go through
+        # gemm_int4. "auto": resident where it fits with room to spare, else dequant (at 512
+        # tokens gemm_int4 is slower than dequant + cuBLAS: benchmarks/RESULTS.md, session 18),
+        # else int4 where even one layer's copy does not fit
         if prefill_weights not in PREFILL_WEIGHTS:
             raise ValueError(f"prefill_weights={prefill_weights!r}: use "
                              + "|".join(PREFILL_WEIGHTS))
         need_dense = self._dense_bytes()
-        self._check_memory(need_dense if prefill_weights == "resident" else 0,
-                           scratch=prefill_weights == "dequant")
         if prefill_weights == "auto":
             free = torch.cuda.mem_get_info(self.device)[0]
-            prefill_weights = "resident" if free > 1.5 * (self._required_bytes() + need_dense) \
-                else "int4"
+            prefill_weights = "resident" \
+                if free > 1.5 * (self._required_bytes() + need_dense) else "dequant" \
+                if free >= self._required_bytes(scratch=True) else "int4"
+        self._check_memory(need_dense if prefill_weights == "resident" else 0,
+                           scratch=prefill_weights == "dequant")
         self.prefill_weights = prefill_weights
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream), \
@@ -331,7 +335,8 @@ class CudaBackend(Backend):
         dense = [w for L in self.layers[:n_layers] for w in L.dense] if mode == 1 \
             else list(self._scratch) if mode == 0 else []
         ints = [c.hidden_size, c.intermediate_size, c.num_attention_heads,
-                c.num_key_value_heads, c.head_dim, c.vocab_size, 0,  # 0: fuse_norm's old slot
+                c.num_key_value_heads, c.head_dim, c.vocab_size,
+                self.switches.int4_max_m,  # chunks this short: gemm_int4 whatever the weights
                 self.attn_min_pps, self.num_splits, mode, PREFILL_CHUNK]
         return globals_, layers, dense, ints
 

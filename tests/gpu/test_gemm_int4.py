@@ -102,15 +102,28 @@ def test_gemm_int4_silu_mul_matches_fp64(n, k, gen):
         assert scaled_err(out, ref, scale) < TOL_HALF, m
 
 
-def test_gemm_int4_is_deterministic(gen):
+@pytest.mark.parametrize("m", [40, 300])
+def test_gemm_int4_is_deterministic(m, gen):
+    """m = 40 splits K across blocks (7B down_proj: 56 output tiles), whose partials the tile's
+    last block sums in split order whichever block comes last; m = 300 does not split."""
     qw, sc, _ = rand_int4(3584, 18944, gen)
-    x = torch.randn(300, 18944, generator=gen, device="cuda").half()
+    x = torch.randn(m, 18944, generator=gen, device="cuda").half()
     outs = []
     for _ in range(3):
-        h = torch.zeros(300, 3584, device="cuda")
+        h = torch.zeros(m, 3584, device="cuda")
         ops().gemm_int4_residual(h, x, qw, sc)
         outs.append(h)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_gemm_int4_at_4097_tokens(gen):
+    """Past two prefill chunks' worth of token blocks, a partial last one (issue 14's count)."""
+    qw, sc, w = rand_int4(4864, 896, gen)
+    x = torch.randn(4097, 896, generator=gen, device="cuda").half()
+    ref = x.double() @ w.double().T
+    y = torch.full((4097, 4864), NAN, dtype=torch.float16, device="cuda")
+    ops().gemm_int4(y, x, qw, sc, None)
+    assert scaled_err(y, ref, dot_scale(w, x) + ref.abs()) < TOL_HALF
 
 
 @pytest.mark.parametrize("what,make,says", [
@@ -121,6 +134,8 @@ def test_gemm_int4_is_deterministic(gen):
     ("no tokens", lambda q, s, x: (q, s, x[:0]), "m >= 1"),
     ("x not 16-byte aligned", lambda q, s, x: (q, s, x.flatten()[1:1 + 2 * 256].view(2, 256)),
      "16-byte aligned"),
+    ("scales not 4-byte aligned",
+     lambda q, s, x: (q, s.flatten()[1:1 + s.numel()].view(s.shape), x), "4-byte aligned"),
 ])
 def test_gemm_int4_bad_shapes_raise_with_the_numbers(what, make, says, gen):
     qw, sc, _ = rand_int4(64, 256, gen)
@@ -136,7 +151,7 @@ def test_the_int4_prefill_matches_the_resident_one():
     from nanoqwen.engine.config import ModelConfig
 
     cfg = ModelConfig.from_name("0.5b")
-    ids = list(range(100, 100 + 300))
+    ids = list(range(100, 100 + 300))   # > int4_max_m: the resident prefill runs cuBLAS
     out = {}
     for pw in ("resident", "int4"):
         be = CudaBackend.synthetic(cfg, max_context=512, prefill_weights=pw)
@@ -147,5 +162,34 @@ def test_the_int4_prefill_matches_the_resident_one():
         del be
         torch.cuda.empty_cache()
     (la, ka), (lb, kb) = out["resident"], out["int4"]
+    assert float((la - lb).norm() / la.norm()) < 2e-2
+    assert float((ka - kb).norm() / ka.norm()) < 2e-2
+
+
+def test_a_short_prompt_goes_through_gemm_int4_and_matches_cublas(monkeypatch):
+    """A next turn's few tokens (at most NANOQWEN_INT4_MAX_M) go through gemm_int4 whatever the
+    prefill weights; with the switch at 0 the resident prefill's cuBLAS takes them. The same
+    logits within the int4 prefill's tolerance above, K/V of the new tokens too, and a repeat
+    of the same turn is bit-identical (the engine's split-K counters are left zeroed)."""
+    from nanoqwen.engine.backends.cuda import CudaBackend
+    from nanoqwen.engine.config import ModelConfig
+    from nanoqwen.engine.switches import INT4_MAX_M
+
+    cfg = ModelConfig.from_name("0.5b")
+    ctx, turn = list(range(100, 400)), list(range(500, 540))
+    out = {}
+    for limit in ("0", "64"):
+        monkeypatch.setenv(INT4_MAX_M, limit)
+        be = CudaBackend.synthetic(cfg, max_context=512, prefill_weights="resident")
+        be.forward(ctx)
+        first = be.forward(turn).double()
+        k = be.k_layers[cfg.num_hidden_layers - 1].double().clone()
+        be.truncate(len(ctx))
+        again = be.forward(turn).double()
+        assert torch.equal(first, again), limit
+        out[limit] = first, k
+        del be
+        torch.cuda.empty_cache()
+    (la, ka), (lb, kb) = out["0"], out["64"]
     assert float((la - lb).norm() / la.norm()) < 2e-2
     assert float((ka - kb).norm() / ka.norm()) < 2e-2

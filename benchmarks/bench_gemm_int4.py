@@ -1,0 +1,106 @@
+"""The product's prefill GEMM (csrc/gemm_int4.cu through torch.ops.nanoqwen) against the two
+fp16 prefills, per projection of a preset and per prompt length m: where gemm_int4 should take a
+prompt chunk (engine/switches.py's NANOQWEN_INT4_MAX_M).
+
+    python benchmarks/bench_gemm_int4.py [--preset 7b] [--m 1,8,16,32,40,64,96,128,256,512] [--json F]
+
+Per projection (qkv with bias, o_proj into the fp32 residual, gate/up with SiLU*mul, down_proj
+into the residual), random weights (std 0.02, quantized by engine/quant.py), x ~ randn, us per
+call (bench_verify.us_per_launch: 20 back-to-back calls, median of 5 runs):
+  int4:     the op, as the engine's prefill calls it (split-K where the shape takes it; the op
+            allocates its scratch and zeroes its counters each call, which the engine does not);
+  resident: F.linear on the fp16 weight (+ fp32 SiLU*mul for gate/up, as the prefill does);
+  dequant:  dequant_int4 of the matrix, then the same F.linear (the prefill without the copy).
+The per-layer sums say where int4 wins; m = 40 is a next turn. Correctness is tests/gpu's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_verify import us_per_launch as timed  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="7b")
+    ap.add_argument("--m", default="1,8,16,32,40,64,96,128,256,512")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from nanoqwen.engine.bench import _commit
+    from nanoqwen.engine.build import load_extension
+    from nanoqwen.engine.config import ModelConfig
+    from nanoqwen.engine.ops import dequant_int4
+    from nanoqwen.engine.quant import quantize
+
+    load_extension()
+    ops = torch.ops.nanoqwen
+    F = torch.nn.functional
+    cfg = ModelConfig.from_name(args.preset)
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    stream = torch.cuda.current_stream()
+
+    def mat(n, k):
+        qw, sc = quantize(torch.randn(n, k, generator=gen, device="cuda") * 0.02)
+        return qw.contiguous(), sc.contiguous(), dequant_int4(qw, sc)
+
+    nq = cfg.q_size + 2 * cfg.kv_size
+    bias = (torch.randn(nq, generator=gen, device="cuda") * 0.1).half()
+    projs = [("qkv", nq, H, [mat(nq, H)]), ("o", H, cfg.q_size, [mat(H, cfg.q_size)]),
+             ("gate_up", I, H, [mat(I, H), mat(I, H)]), ("down", H, I, [mat(H, I)])]
+    rows = []
+    for m in [int(v) for v in args.m.split(",")]:
+        for name, n, k, mats in projs:
+            x = torch.randn(m, k, generator=gen, device="cuda").half()
+            resid = torch.zeros(m, n, device="cuda")
+            y = torch.empty(m, n, device="cuda", dtype=torch.half)
+            ws = [mt[2] for mt in mats]
+            scratch = [torch.empty_like(w) for w in ws]
+
+            def int4():
+                if name == "qkv":
+                    ops.gemm_int4(y, x, mats[0][0], mats[0][1], bias)
+                elif name == "gate_up":
+                    ops.gemm_int4_silu_mul(y, x, mats[0][0], mats[0][1], mats[1][0], mats[1][1])
+                else:
+                    ops.gemm_int4_residual(resid, x, mats[0][0], mats[0][1])
+
+            def dense(wl):
+                if name == "gate_up":
+                    g_, u_ = F.linear(x, wl[0]).float(), F.linear(x, wl[1]).float()
+                    return (F.silu(g_) * u_).half()
+                out = F.linear(x, wl[0], bias if name == "qkv" else None)
+                return out if name == "qkv" else resid.add_(out)
+
+            def dequant():
+                for (qw, sc, _), o in zip(mats, scratch):
+                    ops.dequant_int4(o, qw, sc)
+                return dense(scratch)
+
+            row = dict(proj=name, m=m, n=n, k=k, int4_us=timed(int4, stream),
+                       resident_us=timed(lambda: dense(ws), stream), dequant_us=timed(dequant, stream))
+            rows.append(row)
+            print(" ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}"
+                           for a, b in row.items()), flush=True)
+    layer = {}
+    for m in sorted({r["m"] for r in rows}):
+        rs = [r for r in rows if r["m"] == m]
+        layer[m] = {f"{w}_us": sum(r[f"{w}_us"] for r in rs) for w in ("int4", "resident", "dequant")}
+        print(f"per layer m={m}: " + " ".join(f"{a}={b:.1f}" for a, b in layer[m].items()), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(
+            device=torch.cuda.get_device_name(), preset=args.preset, commit=_commit(),
+            date=time.strftime("%Y-%m-%d"), rows=rows, per_layer=layer), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
