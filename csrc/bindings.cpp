@@ -610,8 +610,8 @@ class Engine : public torch::CustomClassHolder {
   //   up_sc, down_qw, down_sc, k_cache, v_cache
   // dense: 4 a layer (resident fp16 W_qkv, W_o, W_gate_up, W_down), or 4 scratch matrices
   //   (per-layer dequant before each layer's prefill GEMMs)
-  // ints: H, I, n_heads, n_kv, head_dim, vocab, int4_max_m (prompt chunks of at most this many
-  //   tokens go through gemm_int4 whatever the prefill weights; 0: never), min_pps, num_splits,
+  // ints: H, I, n_heads, n_kv, head_dim, vocab, int4_max_m (with dequant prefill weights, prompt
+  //   chunks of at most this many tokens go through gemm_int4 instead; 0: never), min_pps, num_splits,
   //   prefill weights (0 dequant, 1 resident, 2 int4: no dense matrices, gemm_int4 on the INT4
   //   weights), prefill_chunk
   Engine(std::vector<Tensor> globals, std::vector<Tensor> layers, std::vector<Tensor> dense,
@@ -907,7 +907,8 @@ class Engine : public torch::CustomClassHolder {
       pos_t.push_back(at::full({1}, pos0 + s, iopt));
     }
     bool all_int4 = true;   // every chunk through gemm_int4: the dequant path dequantizes nothing
-    for (const auto& ch : chunks) all_int4 = all_int4 && (int4_ || ch.second - ch.first <= int4_max_m_);
+    for (const auto& ch : chunks)
+      all_int4 = all_int4 && (int4_ || (!resident_ && ch.second - ch.first <= int4_max_m_));
     if (!split_counters_.defined())
       split_counters_ = at::zeros({nanoqwen::kGemmCounters}, iopt);
     for (size_t li = 0; li < a.layers.size(); ++li) {
@@ -917,7 +918,11 @@ class Engine : public torch::CustomClassHolder {
       if (!resident_ && !int4_ && !all_int4) dequant_layer(li);
       for (size_t c = 0; c < chunks.size(); ++c) {
         const int64_t s = chunks[c].first, e = chunks[c].second, tc = e - s;
-        const bool q4 = int4_ || tc <= int4_max_m_;   // this chunk through gemm_int4
+        // this chunk through gemm_int4: always with int4 weights; with dequant ones where it is
+        // short (a next turn: gemm_int4 reads the INT4 weights once, the dequant path writes and
+        // rereads a layer's fp16 copy); never with resident ones (cuBLAS on them is faster from
+        // 32 tokens: benchmarks/RESULTS.md, session 18)
+        const bool q4 = int4_ || (!resident_ && tc <= int4_max_m_);
         Tensor h = hidden.narrow(0, s, tc);                                       // [Tc, H]
         Tensor xn = at::empty({tc, H}, hopt);
         check_launch("prefill rmsnorm", nanoqwen::rmsnorm(hp(xn), h.data_ptr<float>(), L.ln1, (int)tc,
@@ -1151,7 +1156,7 @@ class Engine : public torch::CustomClassHolder {
   std::string vnote_;
   bool resident_ = false;
   bool int4_ = false;   // the prefill multiplies the INT4 weights (gemm_int4), no fp16 copy
-  int64_t int4_max_m_ = 0;   // chunks of at most this many tokens through gemm_int4 anyway
+  int64_t int4_max_m_ = 0;   // dequant weights: chunks this short through gemm_int4 instead
   Tensor split_counters_;    // gemm_int4's split-K tile counters (kGemmCounters, kept zeroed)
   int64_t chunk_ = 2048;
   c10::Device device_{c10::kCUDA, 0};

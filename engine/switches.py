@@ -4,9 +4,9 @@ A/B measurements (README, "measurement switches"; the numbers are in benchmarks/
     NANOQWEN_PDL=0|1           programmatic dependent launch, default 1 (on)    csrc/common.cuh
     NANOQWEN_ATTN_MIN_PPS=n    attention_decode's minimum KV pages per split,    backends/cuda.py
                                n = 1..8192 in decimal digits, default 2
-    NANOQWEN_INT4_MAX_M=n      prompt chunks of at most n tokens go through      backends/cuda.py
-                               gemm_int4 on the INT4 weights even where the
-                               prefill has fp16 ones (resident or dequant);
+    NANOQWEN_INT4_MAX_M=n      with prefill weights "dequant" (no resident fp16  backends/cuda.py
+                               copy), prompt chunks of at most n tokens go
+                               through gemm_int4 on the INT4 weights instead;
                                n = 0 (never) .. 2048, default INT4_MAX_M_DEFAULT
 
 Unset or empty means the default; any other value raises SwitchError naming the variable, the
@@ -46,10 +46,11 @@ ATTN_MIN_PPS_DEFAULT = 2
 # the kernel's int page arithmetic (split * pages_per_split) far from overflow.
 ATTN_MIN_PPS_MAX = 8192
 INT4_MAX_M = "NANOQWEN_INT4_MAX_M"
-# a next turn's few dozen new tokens: gemm_int4 reads the INT4 weights once, where cuBLAS reads
-# twice their bytes in fp16 (or the dequant path writes and rereads them); measured in
-# benchmarks/RESULTS.md (session 18)
-INT4_MAX_M_DEFAULT = 64
+# a next turn's few dozen new tokens: gemm_int4 reads the INT4 weights once where the dequant
+# path writes and rereads a layer's fp16 copy. 7B on an H100, per layer (bench_gemm_int4.py,
+# benchmarks/RESULTS.md, session 18): 367 against 602 us at 40 tokens, 580 / 618 at 96,
+# 628 / 631 at 128, 893 / 862 at 256
+INT4_MAX_M_DEFAULT = 96
 INT4_MAX_M_MAX = 2048   # CudaBackend's PREFILL_CHUNK: no chunk is longer
 
 

@@ -113,9 +113,9 @@ class CudaBackend(Backend):
         self._gen_id = 0
         self._lock = threading.RLock()
         # the prefill's weights: "resident" fp16 copies (cuBLAS), "dequant" (one layer's fp16
-        # copy at a time, cuBLAS) or "int4" (gemm_int4 on the INT4 weights, no copy). Whatever
-        # they are, prompt chunks of at most switches.int4_max_m tokens (a next turn) go through
-        # gemm_int4. "auto": resident where it fits with room to spare, else dequant (at 512
+        # copy at a time, cuBLAS; prompt chunks of at most switches.int4_max_m tokens, a next
+        # turn, through gemm_int4 instead) or "int4" (gemm_int4 on the INT4 weights, no copy).
+        # "auto": resident where it fits with room to spare, else dequant (at 512
         # tokens gemm_int4 is slower than dequant + cuBLAS: benchmarks/RESULTS.md, session 18),
         # else int4 where even one layer's copy does not fit
         if prefill_weights not in PREFILL_WEIGHTS:
@@ -336,7 +336,7 @@ class CudaBackend(Backend):
             else list(self._scratch) if mode == 0 else []
         ints = [c.hidden_size, c.intermediate_size, c.num_attention_heads,
                 c.num_key_value_heads, c.head_dim, c.vocab_size,
-                self.switches.int4_max_m,  # chunks this short: gemm_int4 whatever the weights
+                self.switches.int4_max_m,  # dequant weights: chunks this short via gemm_int4
                 self.attn_min_pps, self.num_splits, mode, PREFILL_CHUNK]
         return globals_, layers, dense, ints
 

@@ -135,7 +135,8 @@ def test_gemm_int4_at_4097_tokens(gen):
     ("x not 16-byte aligned", lambda q, s, x: (q, s, x.flatten()[1:1 + 2 * 256].view(2, 256)),
      "16-byte aligned"),
     ("scales not 4-byte aligned",
-     lambda q, s, x: (q, s.flatten()[1:1 + s.numel()].view(s.shape), x), "4-byte aligned"),
+     lambda q, s, x: (q, torch.cat([s.flatten()[:1], s.flatten()])[1:].view(s.shape), x),
+     "4-byte aligned"),
 ])
 def test_gemm_int4_bad_shapes_raise_with_the_numbers(what, make, says, gen):
     qw, sc, _ = rand_int4(64, 256, gen)
@@ -167,10 +168,10 @@ def test_the_int4_prefill_matches_the_resident_one():
 
 
 def test_a_short_prompt_goes_through_gemm_int4_and_matches_cublas(monkeypatch):
-    """A next turn's few tokens (at most NANOQWEN_INT4_MAX_M) go through gemm_int4 whatever the
-    prefill weights; with the switch at 0 the resident prefill's cuBLAS takes them. The same
-    logits within the int4 prefill's tolerance above, K/V of the new tokens too, and a repeat
-    of the same turn is bit-identical (the engine's split-K counters are left zeroed)."""
+    """With dequant prefill weights, a next turn's few tokens (at most NANOQWEN_INT4_MAX_M) go
+    through gemm_int4; with the switch at 0 the dequantized layer's cuBLAS GEMMs take them. The
+    same logits within the int4 prefill's tolerance above, K/V of the new tokens too, and a
+    repeat of the same turn is bit-identical (the engine's split-K counters are left zeroed)."""
     from nanoqwen.engine.backends.cuda import CudaBackend
     from nanoqwen.engine.config import ModelConfig
     from nanoqwen.engine.switches import INT4_MAX_M
@@ -180,7 +181,7 @@ def test_a_short_prompt_goes_through_gemm_int4_and_matches_cublas(monkeypatch):
     out = {}
     for limit in ("0", "64"):
         monkeypatch.setenv(INT4_MAX_M, limit)
-        be = CudaBackend.synthetic(cfg, max_context=512, prefill_weights="resident")
+        be = CudaBackend.synthetic(cfg, max_context=512, prefill_weights="dequant")
         be.forward(ctx)
         first = be.forward(turn).double()
         k = be.k_layers[cfg.num_hidden_layers - 1].double().clone()
