@@ -59,20 +59,21 @@ struct GArgs {
   int splits;
 };
 
-template <int WR, int WT, int BT, int S, int OP>
+template <int WR, int WT, int BT, int S, int OP, int KG>
 struct Cfg {
   static constexpr int kThreads = WR * WT * 32;
   static constexpr int BN = WR * 32;                   // W rows a stage
   static constexpr int BM = WT * BT * 8;               // tokens
   static constexpr int ROWS_OUT = OP == OP_SILU ? WR * 16 : BN;
-  static constexpr int X_BYTES = BM * 256;
-  static constexpr int STAGE = X_BYTES + BN * 64 + BN * 4;
+  static constexpr int X_BYTES = BM * 256 * KG;
+  static constexpr int W_BYTES = BN * 64 * KG;
+  static constexpr int STAGE = X_BYTES + W_BYTES + BN * 4 * KG;
   static constexpr int SMEM = S * STAGE;
 };
 
-template <int WR, int WT, int BT, int S, int OP>
+template <int WR, int WT, int BT, int S, int OP, int KG>
 __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) {
-  using C = Cfg<WR, WT, BT, S, OP>;
+  using C = Cfg<WR, WT, BT, S, OP, KG>;
   constexpr int AT = 2;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -82,24 +83,27 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
   const int tok0 = blockIdx.y * C::BM;
   const int G = a.k / kGroup;
   const int kw4 = a.k / 32;   // 16-byte chunks a weight row
-  // this block's groups (split-K: a contiguous share of them)
+  // this block's groups (split-K: a contiguous share of them), KG a stage
   const int kb = (int)((long long)G * blockIdx.z / a.splits);
-  const int nkg = (int)((long long)G * (blockIdx.z + 1) / a.splits) - kb;
+  const int ke = (int)((long long)G * (blockIdx.z + 1) / a.splits);
+  const int nst = (ke - kb + KG - 1) / KG;
 
-  auto load_stage = [&](int slot, int kg) {
+  // stage slot: X [BM][KG][256 B], W [BN][KG*4 chunks of 16 B], scales [KG][BN] x 4 B. Groups
+  // past ke are zero-filled (x = 0: they add nothing)
+  auto load_stage = [&](int slot, int kg0) {
     unsigned char* xs = smem + slot * C::STAGE;
     unsigned char* ws = xs + C::X_BYTES;
-    unsigned char* ss = ws + C::BN * 64;
-    for (int c = tid; c < C::BM * 16; c += C::kThreads) {
-      const int tok = c >> 4, cc = c & 15;
+    unsigned char* ss = ws + C::W_BYTES;
+    for (int c = tid; c < C::BM * 16 * KG; c += C::kThreads) {
+      const int tok = c / (16 * KG), gi = (c / 16) % KG, cc = c & 15;
       const int p = (((cc & 3) << 2) | (cc >> 2)) ^ ((tok & 1) << 2);
       const int gt = tok0 + tok;
-      const bool ok = gt < a.m;
-      cp_async16_zfill(xs + tok * 256 + p * 16,
-                       a.x + (size_t)(ok ? gt : 0) * a.k + kg * kGroup + cc * 8, ok);
+      const bool ok = gt < a.m && kg0 + gi < ke;
+      cp_async16_zfill(xs + (tok * KG + gi) * 256 + p * 16,
+                       a.x + (ok ? (size_t)gt * a.k + (kg0 + gi) * kGroup + cc * 8 : 0), ok);
     }
-    for (int c = tid; c < C::BN * 4; c += C::kThreads) {
-      const int r = c >> 2, ch = c & 3;
+    for (int c = tid; c < C::BN * 4 * KG; c += C::kThreads) {
+      const int r = c / (4 * KG), ch = c % (4 * KG);
       int grow;
       const uint4* base;
       if constexpr (OP == OP_SILU) {
@@ -110,11 +114,14 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
         grow = row0 + r;
         base = reinterpret_cast<const uint4*>(a.qw);
       }
-      const bool ok = grow < a.n;
-      cp_async16_zfill(ws + r * 64 + ch * 16, base + (size_t)(ok ? grow : 0) * kw4 + kg * 4 + ch,
-                       ok);
+      const bool ok = grow < a.n && kg0 + ch / 4 < ke;
+      // chunk ch of row r at ch ^ 4 on odd rows (KG > 1): a quarter warp's two rows apart
+      const int pc = KG > 1 ? ch ^ ((r & 1) << 2) : ch;
+      cp_async16_zfill(ws + (r * 4 * KG + pc) * 16,
+                       base + (ok ? (size_t)grow * kw4 + kg0 * 4 + ch : 0), ok);
     }
-    for (int r = tid; r < C::BN; r += C::kThreads) {
+    for (int c = tid; c < C::BN * KG; c += C::kThreads) {
+      const int r = c % C::BN, gi = c / C::BN;
       int grow;
       const half* sbase;
       if constexpr (OP == OP_SILU) {
@@ -125,9 +132,10 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
         grow = row0 + r;
         sbase = a.sc;
       }
-      const bool ok = grow < a.n;
-      const size_t e = (size_t)(ok ? grow : 0) * G + kg;   // the scale's index; its pair: e & ~1
-      cp_async4_fill(ss + r * 4, sbase + (e & ~(size_t)1), !ok ? 0 : (e & 1) ? 4 : 2);
+      const bool ok = grow < a.n && kg0 + gi < ke;
+      const size_t e = ok ? (size_t)grow * G + kg0 + gi : 0;   // the scale's index; pair e & ~1
+      cp_async4_fill(ss + (gi * C::BN + r) * 4, sbase + (e & ~(size_t)1),
+                     !ok ? 0 : (e & 1) ? 4 : 2);
     }
   };
 
@@ -153,72 +161,77 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
 
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
-    if (s < nkg) load_stage(s, kb + s);
+    if (s < nst) load_stage(s, kb + s * KG);
     cp_async_commit();
   }
 
   const uint32_t kLo = 0x64006400u;
   const half2 k1032 = as_h2(0x64086408u), k16 = as_h2(0x2C002C00u), k72 = as_h2(0xD480D480u);
 
-  for (int i = 0; i < nkg; ++i) {
-    const int kg = kb + i;
+  for (int i = 0; i < nst; ++i) {
     cp_async_wait<S - 2>();
     __syncthreads();
     {
       const int ni = i + S - 1;
-      if (ni < nkg) load_stage(ni % S, kb + ni);
+      if (ni < nst) load_stage(ni % S, kb + ni * KG);
       cp_async_commit();
     }
-    const unsigned char* xs = smem + (i % S) * C::STAGE;
-    const unsigned char* ws = xs + C::X_BYTES;
-    const unsigned short* ss = reinterpret_cast<const unsigned short*>(ws + C::BN * 64);
-    half2 s2[AT][2];
+    const unsigned char* xs0 = smem + (i % S) * C::STAGE;
+    const unsigned char* ws = xs0 + C::X_BYTES;
+    const unsigned short* ss = reinterpret_cast<const unsigned short*>(ws + C::W_BYTES);
 #pragma unroll
-    for (int at = 0; at < AT; ++at)
+    for (int gi = 0; gi < KG; ++gi) {
+      const int kg = kb + i * KG + gi;   // past ke: zeros (x = 0 and s = 0)
+      half2 s2[AT][2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = (wr * AT + at) * 16 + g + 8 * h;
-        s2[at][h] = __half2half2(__ushort_as_half(ss[2 * r + ((spar[at][h] ^ kg) & 1)]));
-      }
-    uint4 va[AT], vb[AT];
+      for (int at = 0; at < AT; ++at)
 #pragma unroll
-    for (int at = 0; at < AT; ++at) {
-      const int r = (wr * AT + at) * 16 + g;
-      va[at] = *reinterpret_cast<const uint4*>(ws + r * 64 + t * 16);
-      vb[at] = *reinterpret_cast<const uint4*>(ws + (r + 8) * 64 + t * 16);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint32_t A0[AT][4], A1[AT][4];
+        for (int h = 0; h < 2; ++h) {
+          const int r = (wr * AT + at) * 16 + g + 8 * h;
+          s2[at][h] = __half2half2(
+              __ushort_as_half(ss[2 * (gi * C::BN + r) + ((spar[at][h] ^ kg) & 1)]));
+        }
+      uint4 va[AT], vb[AT];
 #pragma unroll
       for (int at = 0; at < AT; ++at) {
-        const uint32_t wa = j == 0 ? va[at].x : j == 1 ? va[at].y : j == 2 ? va[at].z : va[at].w;
-        const uint32_t wb = j == 0 ? vb[at].x : j == 1 ? vb[at].y : j == 2 ? vb[at].z : vb[at].w;
-        const uint32_t a8 = wa >> 8, b8 = wb >> 8;
-        auto lo = [&](uint32_t v, half2 s) {
-          return h2_bits(__hmul2(__hsub2(as_h2(lop3_and_or(v, 0x000F000Fu, kLo)), k1032), s));
-        };
-        auto hi = [&](uint32_t v, half2 s) {
-          return h2_bits(__hmul2(__hfma2(as_h2(lop3_and_or(v, 0x00F000F0u, kLo)), k16, k72), s));
-        };
-        A0[at][0] = lo(wa, s2[at][0]);
-        A0[at][1] = lo(wb, s2[at][1]);
-        A0[at][2] = hi(wa, s2[at][0]);
-        A0[at][3] = hi(wb, s2[at][1]);
-        A1[at][0] = lo(a8, s2[at][0]);
-        A1[at][1] = lo(b8, s2[at][1]);
-        A1[at][2] = hi(a8, s2[at][0]);
-        A1[at][3] = hi(b8, s2[at][1]);
+        const int r = (wr * AT + at) * 16 + g;   // r and r + 8: the same parity
+        const int pc = KG > 1 ? (gi * 4 + t) ^ ((r & 1) << 2) : t;
+        va[at] = *reinterpret_cast<const uint4*>(ws + (r * 4 * KG + pc) * 16);
+        vb[at] = *reinterpret_cast<const uint4*>(ws + ((r + 8) * 4 * KG + pc) * 16);
       }
 #pragma unroll
-      for (int nt = 0; nt < BT; ++nt) {
-        const int tok = (wt * BT + nt) * 8 + g;
-        const int p = ((j << 2) | t) ^ ((tok & 1) << 2);
-        const uint4 xv = *reinterpret_cast<const uint4*>(xs + tok * 256 + p * 16);
+      for (int j = 0; j < 4; ++j) {
+        uint32_t A0[AT][4], A1[AT][4];
 #pragma unroll
         for (int at = 0; at < AT; ++at) {
-          mma16816(acc[at][nt], A0[at][0], A0[at][1], A0[at][2], A0[at][3], xv.x, xv.y);
-          mma16816(acc[at][nt], A1[at][0], A1[at][1], A1[at][2], A1[at][3], xv.z, xv.w);
+          const uint32_t wa = j == 0 ? va[at].x : j == 1 ? va[at].y : j == 2 ? va[at].z : va[at].w;
+          const uint32_t wb = j == 0 ? vb[at].x : j == 1 ? vb[at].y : j == 2 ? vb[at].z : vb[at].w;
+          const uint32_t a8 = wa >> 8, b8 = wb >> 8;
+          auto lo = [&](uint32_t v, half2 s) {
+            return h2_bits(__hmul2(__hsub2(as_h2(lop3_and_or(v, 0x000F000Fu, kLo)), k1032), s));
+          };
+          auto hi = [&](uint32_t v, half2 s) {
+            return h2_bits(__hmul2(__hfma2(as_h2(lop3_and_or(v, 0x00F000F0u, kLo)), k16, k72), s));
+          };
+          A0[at][0] = lo(wa, s2[at][0]);
+          A0[at][1] = lo(wb, s2[at][1]);
+          A0[at][2] = hi(wa, s2[at][0]);
+          A0[at][3] = hi(wb, s2[at][1]);
+          A1[at][0] = lo(a8, s2[at][0]);
+          A1[at][1] = lo(b8, s2[at][1]);
+          A1[at][2] = hi(a8, s2[at][0]);
+          A1[at][3] = hi(b8, s2[at][1]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < BT; ++nt) {
+          const int tok = (wt * BT + nt) * 8 + g;
+          const int p = ((j << 2) | t) ^ ((tok & 1) << 2);
+          const uint4 xv = *reinterpret_cast<const uint4*>(xs0 + (tok * KG + gi) * 256 + p * 16);
+#pragma unroll
+          for (int at = 0; at < AT; ++at) {
+            mma16816(acc[at][nt], A0[at][0], A0[at][1], A0[at][2], A0[at][3], xv.x, xv.y);
+            mma16816(acc[at][nt], A1[at][0], A1[at][1], A1[at][2], A1[at][3], xv.z, xv.w);
+          }
         }
       }
     }
@@ -305,26 +318,31 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
     }
 }
 
-// The two block shapes (chosen by m before any measurement: the lab's r4t1_b4_s4 and
-// r4t2_b8_s3; benchmarks/lab/w4a16_gemm.py times all eight): a short prompt (a next turn) in
-// 32-token blocks, a long one in 128-token blocks.
-constexpr int kShortM = 64;
+// A block shape: WR x WT warps, BT token tiles of 8 a warp, an S-stage ring of KG groups a stage.
+template <int WR_, int WT_, int BT_, int S_, int KG_>
+struct Shape {
+  static constexpr int WR = WR_, WT = WT_, BT = BT_, S = S_, KG = KG_;
+};
+template <class Sh, int OP>
+using CfgOf = Cfg<Sh::WR, Sh::WT, Sh::BT, Sh::S, OP, Sh::KG>;
+template <class Sh, int OP>
+constexpr auto kKernel = gemm_int4_kernel<Sh::WR, Sh::WT, Sh::BT, Sh::S, OP, Sh::KG>;
 
 // Split-K: how many splits an (m, n, k) launch of this shape takes: none once the output tiles
-// fill the card's resident blocks; otherwise enough to fill them, each split >= 4 groups (the
-// ring's depth), at most kMaxSplits and kGemmCounters tiles.
+// fill half the card's resident blocks; otherwise enough to fill them, each split >= 2 stages,
+// at most kMaxSplits, and kGemmCounters tiles at most.
 constexpr int kMaxSplits = 16;
 
-template <int WR, int WT, int BT, int S, int OP>
+template <class Sh, int OP>
 int splits_for(int m, int n, int k) {
-  using C = Cfg<WR, WT, BT, S, OP>;
+  using C = CfgOf<Sh, OP>;
   static const int resident = [] {
     int dev = 0, sms = 0, per_sm = 0;
     if (cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        set_max_smem(gemm_int4_kernel<WR, WT, BT, S, OP>, C::SMEM) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemm_int4_kernel<WR, WT, BT, S, OP>,
-                                                      C::kThreads, C::SMEM) != cudaSuccess) {
+        set_max_smem(kKernel<Sh, OP>, C::SMEM) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel<Sh, OP>, C::kThreads,
+                                                      C::SMEM) != cudaSuccess) {
       cudaGetLastError();   // no split then: the launch reports what is wrong
       return 0;
     }
@@ -333,18 +351,17 @@ int splits_for(int m, int n, int k) {
   const long long tiles =
       (long long)((n + C::ROWS_OUT - 1) / C::ROWS_OUT) * ((m + C::BM - 1) / C::BM);
   if (tiles * 2 > resident || tiles > kGemmCounters) return 1;
-  const int by_groups = (k / kGroup) / 4;
+  const int by_groups = (k / kGroup) / (2 * Sh::KG);
   const long long want = resident / tiles;
   return (int)std::max(1LL, std::min<long long>({want, (long long)by_groups, kMaxSplits}));
 }
 
-template <int WR, int WT, int BT, int S, int OP>
+template <class Sh, int OP>
 cudaError_t launch(const char* fn, GArgs a, const GemmScratch* scratch, cudaStream_t stream) {
-  using C = Cfg<WR, WT, BT, S, OP>;
-  auto kern = gemm_int4_kernel<WR, WT, BT, S, OP>;
-  static const cudaError_t attr = set_max_smem(kern, C::SMEM);
+  using C = CfgOf<Sh, OP>;
+  static const cudaError_t attr = set_max_smem(kKernel<Sh, OP>, C::SMEM);
   if (attr != cudaSuccess) return smem_refused(attr, fn, C::SMEM);
-  a.splits = scratch ? splits_for<WR, WT, BT, S, OP>(a.m, a.n, a.k) : 1;
+  a.splits = scratch ? splits_for<Sh, OP>(a.m, a.n, a.k) : 1;
   if (a.splits > 1) {
     const size_t need = (size_t)a.splits * a.m * (OP == OP_SILU ? 2 * a.n : a.n);
     if (!scratch->partials || !scratch->counters || scratch->partial_floats < need)
@@ -358,23 +375,29 @@ cudaError_t launch(const char* fn, GArgs a, const GemmScratch* scratch, cudaStre
   if (grid.y > 65535u)
     return nq_fail(cudaErrorInvalidValue, "%s: m=%d needs %u token blocks of %d, at most 65535",
                    fn, a.m, grid.y, C::BM);
-  gemm_int4_kernel<WR, WT, BT, S, OP><<<grid, C::kThreads, C::SMEM, stream>>>(a);
+  kKernel<Sh, OP><<<grid, C::kThreads, C::SMEM, stream>>>(a);
   const cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) return e;
-  return nq_fail(e, "%s: launch of grid (%u, %u) x block %d with %d bytes of shared memory (m=%d "
-                 "n=%d k=%d) failed: %s", fn, grid.x, grid.y, C::kThreads, C::SMEM, a.m, a.n, a.k,
-                 cudaGetErrorString(e));
+  return nq_fail(e, "%s: launch of grid (%u, %u, %u) x block %d with %d bytes of shared memory "
+                 "(m=%d n=%d k=%d) failed: %s", fn, grid.x, grid.y, grid.z, C::kThreads, C::SMEM,
+                 a.m, a.n, a.k, cudaGetErrorString(e));
 }
+
+// The product's block shapes by m (benchmarks/lab/gemm_int4_shapes.py times the candidates):
+// a short prompt (a next turn) in 32-token blocks, a long one in 128-token blocks.
+constexpr int kShortM = 64;
+using ShortShape = Shape<4, 1, 4, 4, 1>;
+using LongShape = Shape<4, 2, 8, 3, 1>;
 
 template <int OP>
 cudaError_t run(const char* fn, const GArgs& a, const GemmScratch* scratch, cudaStream_t stream) {
-  return a.m <= kShortM ? launch<4, 1, 4, 4, OP>(fn, a, scratch, stream)
-                        : launch<4, 2, 8, 3, OP>(fn, a, scratch, stream);
+  return a.m <= kShortM ? launch<ShortShape, OP>(fn, a, scratch, stream)
+                        : launch<LongShape, OP>(fn, a, scratch, stream);
 }
 
 template <int OP>
 int run_splits(int m, int n, int k) {
-  return m <= kShortM ? splits_for<4, 1, 4, 4, OP>(m, n, k) : splits_for<4, 2, 8, 3, OP>(m, n, k);
+  return m <= kShortM ? splits_for<ShortShape, OP>(m, n, k) : splits_for<LongShape, OP>(m, n, k);
 }
 
 cudaError_t check(const char* fn, const void* out, const half* x, const uint32_t* qw,
