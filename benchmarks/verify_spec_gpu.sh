@@ -5,7 +5,7 @@
 # the bundled model; (SPECBENCH=1) `nanoqwen bench --spec` ngram and draft (the bundled model as
 # its own draft) on the bundled model; (BENCH=1) the 7B decode bench, which must not move; (DEPTH=1) the 7B bench
 # after 8192 cached tokens (nanoqwen bench -d); (LABS=1) the lab runs session 17 could not make:
-# the W4A16 prefill GEMM (lab/w4a16_gemm.py), the lm_head loads probe (lab/lm_head_tc.py) and
+# the prefill GEMM's block shapes (lab/gemm_int4_shapes.py), the lm_head loads probe (lab/lm_head_tc.py) and
 # the INT8-activation decode GEMV (lab/gemv_int8x.py).
 # Logs under $OUT.
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> FULL=1 BENCH=1 bash benchmarks/verify_spec_gpu.sh
@@ -39,7 +39,7 @@ if [ "${DEPTH:-0}" = 1 ]; then  # issue 14's long-context rows: after 8192 cache
 t "bench 7b -d 8192"; timeout 120 nanoqwen bench --synthetic 7b -d 8192 -p 512 -n 128 -r 3 --mode graph --json > "$OUT/bench_7b_d8192_$C.json" && tail -c 400 "$OUT/bench_7b_d8192_$C.json"; echo
 fi
 if [ "${LABS:-0}" = 1 ]; then
-t "lab w4a16_gemm"; timeout 330 python3 benchmarks/lab/w4a16_gemm.py --json "$OUT/lab_w4a16_gemm_$C.json" 2>&1 | tail -45
+t "lab gemm_int4_shapes"; timeout 330 python3 benchmarks/lab/gemm_int4_shapes.py --json "$OUT/lab_gemm_int4_shapes_$C.json" 2>&1 | grep -v "^proj"
 t "lab lm_head_tc (lm_head_read)"; timeout 150 python3 benchmarks/lab/lm_head_tc.py --json "$OUT/lab_lm_head_tc_$C.json" 2>&1 | tail -14
 t "lab gemv_int8x (issue 12 item 4)"; timeout 200 python3 benchmarks/lab/gemv_int8x.py --json "$OUT/lab_gemv_int8x_$C.json" 2>&1 | tail -10
 fi

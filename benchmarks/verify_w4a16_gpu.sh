@@ -7,7 +7,7 @@
 #           NANOQWEN_INT4_MAX_M=0 (cuBLAS for the turn: the old prefill), TTFT 512 resident and
 #           dequant, and the decode bench (graph, eager), which must not move
 #   PART=B: the 32B, 1.5B and 0.5B TTFT 512 with int4 against dequant, then the labs:
-#           lab/w4a16_gemm.py, lab/lm_head_tc.py and lab/gemv_int8x.py (issue 12 item 4)
+#           lab/gemm_int4_shapes.py, lab/lm_head_tc.py and lab/gemv_int8x.py (issue 12 item 4)
 # The JSON files go to $OUT/r and come back as one $OUT/results_<PART>_<commit>.tgz (the device
 # returns at most 8 files); the log beside it. Carry .whl (the app tests' wheels).
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=A bash benchmarks/verify_w4a16_gpu.sh
@@ -37,7 +37,7 @@ if [ "$P" = A ]; then
   t "bench 7b decode"; timeout 100 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph,eager --json > "$R/bench_7b_$C.json" && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([(r['mode'], r['test'], r.get('ttft_ms') or r.get('ms_per_token')) for r in d['rows']])" "$R/bench_7b_$C.json"
 else
   for p in 32b 1.5b 0.5b; do for w in int4 dequant; do pf "" $p $w -p 512 -n 8 -r 5; done; done
-  t "lab w4a16_gemm"; timeout 200 python3 benchmarks/lab/w4a16_gemm.py --json "$R/lab_w4a16_gemm_$C.json" 2>&1 | tail -45
+  t "lab gemm_int4_shapes"; timeout 300 python3 benchmarks/lab/gemm_int4_shapes.py --json "$R/lab_gemm_int4_shapes_$C.json" 2>&1 | grep -v "^proj"
   t "lab lm_head_tc"; timeout 100 python3 benchmarks/lab/lm_head_tc.py --json "$R/lab_lm_head_tc_$C.json" 2>&1 | tail -14
   t "lab gemv_int8x"; timeout 120 python3 benchmarks/lab/gemv_int8x.py --json "$R/lab_gemv_int8x_$C.json" 2>&1 | tail -10
 fi

@@ -14,15 +14,19 @@
 // dequant_int4's, the weight cuBLAS multiplied before), the products summed in fp32.
 //
 // A block owns BN = WR * 32 rows of W (2 tiles of 16 a warp; SiLU: tile 0 gate, tile 1 up of the
-// same 16 output rows) and BM = WT * BT * 8 tokens; K advances one group a stage through an
+// same 16 output rows) and BM = WT * BT * 8 tokens; K advances KG groups a stage through an
 // S-stage cp.async ring:
-//   X stage: BM rows x 256 B; token chunk c = 4t + j stored at (4j + t) ^ (4 * (token & 1)), so a
-//            quarter warp's 16-byte reads (two tokens, t = 0..3, one j) hit 8 distinct bank groups;
-//   W stage: BN rows x 64 B, conflict-free as laid out;
-//   scales:  BN x 4 B: row r's scale of the stage's group, copied by a 4-byte cp.async of the
+//   X stage: BM rows x KG x 256 B; token chunk c = 4t + j of a group stored at (4j + t) ^ (4 *
+//            (token & 1)), so a quarter warp's 16-byte reads (two tokens, t = 0..3, one j) hit 8
+//            distinct bank groups;
+//   W stage: BN rows x KG x 64 B (a row's KG groups one contiguous run: DRAM reads of KG * 64 B
+//            where one group a stage read 64 B of rows 1.8-9 KB apart); with KG > 1 an odd row's
+//            chunks sit at index ^ 4, so a quarter warp's two rows hit 8 distinct bank groups;
+//   scales:  KG x BN x 4 B: row r's scale of each group, copied by a 4-byte cp.async of the
 //            aligned pair of halves holding it (the reader picks the half by the index's
-//            parity), S - 1 groups ahead like the rest of the stage. (The first version loaded
+//            parity), S - 1 stages ahead like the rest of the stage. (The first version loaded
 //            them one group ahead into registers: a DRAM latency each group at small m.)
+// Groups past the block's range (its split's end) are zero-filled: x = 0 and s = 0 add nothing.
 // Tokens past m and rows past n are zero-filled (cp.async src-size 0) and never written.
 //
 // Split-K (short prompts, where the output tiles alone would leave most SMs idle): grid.z
@@ -31,7 +35,8 @@
 // sums the partials in split order (deterministic, whichever block comes last), resets the
 // counter to 0 for the next launch, and runs the epilogue.
 // The index math was emulated lane by lane on the CPU before the first device run
-// (benchmarks/lab/w4a16_emulate.py); the lab's variants are in benchmarks/lab/w4a16_gemm_lab.cu.
+// (benchmarks/lab/w4a16_emulate.py, for KG = 1); benchmarks/lab/gemm_int4_shapes.cu launches
+// this kernel at other block shapes.
 #include <limits.h>
 
 #include <algorithm>
@@ -383,21 +388,34 @@ cudaError_t launch(const char* fn, GArgs a, const GemmScratch* scratch, cudaStre
                  a.m, a.n, a.k, cudaGetErrorString(e));
 }
 
-// The product's block shapes by m (benchmarks/lab/gemm_int4_shapes.py times the candidates):
-// a short prompt (a next turn) in 32-token blocks, a long one in 128-token blocks.
-constexpr int kShortM = 64;
-using ShortShape = Shape<4, 1, 4, 4, 1>;
-using LongShape = Shape<4, 2, 8, 3, 1>;
+// The product's block shapes, by m and by epilogue: the fastest of 14 candidates per 7B
+// projection on an H100 (benchmarks/lab/gemm_int4_shapes.py, RESULTS.md session 18). Short
+// prompts take few tokens a block (8 or 16: no mma on padding) and 2-4 groups a stage (row runs
+// of 128-256 B instead of 64); gate/up (two matrices, 2x the rows) and long prompts 256-row
+// blocks of 64 tokens.
+using Tiny = Shape<4, 1, 1, 3, 2>;     // m <= 8: 128 rows x 8 tokens, 2 groups a stage
+using Short = Shape<4, 1, 2, 3, 4>;    // 128 rows x 16 tokens, 4 groups a stage
+using Mid = Shape<8, 1, 4, 4, 1>;      // 256 rows x 32 tokens
+using Long = Shape<8, 1, 8, 3, 2>;     // 256 rows x 64 tokens, 2 groups a stage
+
+template <int OP, class F>
+auto with_shape(int m, F&& f) {
+  if (m <= 8) return f(Tiny{});
+  if (m <= (OP == OP_SILU ? 16 : 64)) return f(Short{});
+  if (m <= 128 && OP != OP_SILU) return f(Mid{});
+  return f(Long{});
+}
 
 template <int OP>
 cudaError_t run(const char* fn, const GArgs& a, const GemmScratch* scratch, cudaStream_t stream) {
-  return a.m <= kShortM ? launch<ShortShape, OP>(fn, a, scratch, stream)
-                        : launch<LongShape, OP>(fn, a, scratch, stream);
+  return with_shape<OP>(a.m, [&](auto sh) {
+    return launch<decltype(sh), OP>(fn, a, scratch, stream);
+  });
 }
 
 template <int OP>
 int run_splits(int m, int n, int k) {
-  return m <= kShortM ? splits_for<ShortShape, OP>(m, n, k) : splits_for<LongShape, OP>(m, n, k);
+  return with_shape<OP>(m, [&](auto sh) { return splits_for<decltype(sh), OP>(m, n, k); });
 }
 
 cudaError_t check(const char* fn, const void* out, const half* x, const uint32_t* qw,
@@ -424,7 +442,9 @@ cudaError_t check(const char* fn, const void* out, const half* x, const uint32_t
 
 size_t gemm_int4_scratch_floats(int m, int n, int k, bool silu) {
   if (m < 1 || n < 1 || k < kGroup) return 0;
-  const int s = silu ? run_splits<OP_SILU>(m, n, k) : run_splits<OP_STORE>(m, n, k);
+  // (store and residual share their shapes but not their registers, so maybe not their splits)
+  const int s = silu ? run_splits<OP_SILU>(m, n, k)
+                     : std::max(run_splits<OP_STORE>(m, n, k), run_splits<OP_RESID>(m, n, k));
   return s > 1 ? (size_t)s * m * (silu ? 2 * n : n) : 0;
 }
 

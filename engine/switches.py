@@ -47,10 +47,10 @@ ATTN_MIN_PPS_DEFAULT = 2
 ATTN_MIN_PPS_MAX = 8192
 INT4_MAX_M = "NANOQWEN_INT4_MAX_M"
 # a next turn's few dozen new tokens: gemm_int4 reads the INT4 weights once where the dequant
-# path writes and rereads a layer's fp16 copy. 7B on an H100, per layer (bench_gemm_int4.py,
-# benchmarks/RESULTS.md, session 18): 367 against 602 us at 40 tokens, 580 / 618 at 96,
-# 628 / 631 at 128, 893 / 862 at 256
-INT4_MAX_M_DEFAULT = 96
+# path writes and rereads a layer's fp16 copy. 7B on an H100, us a layer, gemm_int4's block
+# shapes against dequant + cuBLAS (lab/gemm_int4_shapes.py, benchmarks/RESULTS.md, session 18):
+# 278 / 591 at 40 tokens, 477 / 619 at 128, 1229 / 891 at 512
+INT4_MAX_M_DEFAULT = 128
 INT4_MAX_M_MAX = 2048   # CudaBackend's PREFILL_CHUNK: no chunk is longer
 
 
