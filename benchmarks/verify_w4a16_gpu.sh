@@ -3,9 +3,9 @@
 # fp16 copy and the per-layer dequantization.
 #   PART=A: install, build, tests/gpu (all of it), the product GEMM per projection and m
 #           (bench_gemm_int4.py), then `nanoqwen bench` at 7B: a 40-token next turn after 1024
-#           cached (-d 1024 -p 40) with each prefill's weights, resident also with
-#           NANOQWEN_INT4_MAX_M=0 (cuBLAS for the turn: the old prefill), TTFT 512 resident and
-#           dequant, and the decode bench (graph, eager), which must not move
+#           cached (-d 1024 -p 40) with each prefill's weights, dequant also with
+#           NANOQWEN_INT4_MAX_M=0 (cuBLAS for the turn: the old prefill), TTFT 512 with each,
+#           2048 with int4, and the decode bench (graph, eager), which must not move
 #   PART=B: the 32B, 1.5B and 0.5B TTFT 512 with int4 against dequant, then the labs:
 #           lab/gemm_int4_shapes.py, lab/lm_head_tc.py and lab/gemv_int8x.py (issue 12 item 4)
 # The JSON files go to $OUT/r and come back as one $OUT/results_<PART>_<commit>.tgz (the device
@@ -31,9 +31,9 @@ if [ "$P" = A ]; then
   t "tests/gpu"; timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -30
   t "bench_gemm_int4 7b"; timeout 120 python3 benchmarks/bench_gemm_int4.py --json "$R/bench_gemm_int4_7b_$C.json" 2>&1 | tail -50
   for w in resident dequant int4; do pf "" 7b $w -d 1024 -p 40 -n 8 -r 5; done
-  NANOQWEN_INT4_MAX_M=0 pf _maxm0 7b resident -d 1024 -p 40 -n 8 -r 5
   NANOQWEN_INT4_MAX_M=0 pf _maxm0 7b dequant -d 1024 -p 40 -n 8 -r 5
-  for w in resident dequant; do pf "" 7b $w -p 512 -n 8 -r 5; done
+  for w in resident dequant int4; do pf "" 7b $w -p 512 -n 8 -r 5; done
+  pf "" 7b int4 -p 2048 -n 8 -r 3
   t "bench 7b decode"; timeout 100 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph,eager --json > "$R/bench_7b_$C.json" && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([(r['mode'], r['test'], r.get('ttft_ms') or r.get('ms_per_token')) for r in d['rows']])" "$R/bench_7b_$C.json"
 else
   for p in 32b 1.5b 0.5b; do for w in int4 dequant; do pf "" $p $w -p 512 -n 8 -r 5; done; done
