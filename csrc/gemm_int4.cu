@@ -243,84 +243,68 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
   }
   cp_async_wait<0>();
 
+  // f(tok, row, at, nt, q) for each output this lane holds (rows g / g + 8, tokens 2t, 2t + 1 of
+  // each tile; SiLU: at 0 gate, at 1 up, of the same row): acc[at][nt][q]
+  auto each_out = [&](auto&& f) {
+#pragma unroll
+    for (int nt = 0; nt < BT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int tok = tok0 + (wt * BT + nt) * 8 + 2 * t + e;
+        if (tok >= a.m) continue;
+#pragma unroll
+        for (int at = 0; at < AT; ++at)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = OP == OP_SILU ? row0 + wr * 16 + g + 8 * h
+                                          : row0 + (wr * AT + at) * 16 + g + 8 * h;
+            if (row < a.n) f(tok, row, at, nt, 2 * h + e);
+          }
+      }
+  };
+
   if (a.splits > 1) {
     // this split's partial sums out; the tile's last block sums them all in split order
     const int cols = OP == OP_SILU ? 2 * a.n : a.n;
+    auto at_col = [&](int tok, int row, int at) {
+      return (size_t)tok * cols + (OP == OP_SILU && at == 1 ? a.n : 0) + row;
+    };
     float* mine = a.partials + (size_t)blockIdx.z * a.m * cols;
-#pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {
-      if (pass == 1) {
-        __threadfence();
-        __syncthreads();
-        __shared__ int last;
-        if (tid == 0) {
-          const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-          last = atomicAdd(&a.counters[tile], 1) == a.splits - 1;
-          if (last) a.counters[tile] = 0;   // stream order: the next launch finds it zeroed
-        }
-        __syncthreads();
-        if (!last) return;
-        __threadfence();
-      }
-#pragma unroll
-      for (int nt = 0; nt < BT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int tok = tok0 + (wt * BT + nt) * 8 + 2 * t + e;
-          if (tok >= a.m) continue;
-#pragma unroll
-          for (int at = 0; at < AT; ++at)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int row = OP == OP_SILU ? row0 + wr * 16 + g + 8 * h
-                                            : row0 + (wr * AT + at) * 16 + g + 8 * h;
-              if (row >= a.n) continue;
-              const size_t i = (size_t)tok * cols + (OP == OP_SILU && at == 1 ? a.n : 0) + row;
-              float& v = acc[at][nt][2 * h + e];
-              if (pass == 0) {
-                mine[i] = v;
-              } else {
-                float sum = 0.f;
-                for (int z = 0; z < a.splits; ++z) sum += __ldcg(a.partials + (size_t)z * a.m * cols + i);
-                v = sum;
-              }
-            }
-        }
+    each_out([&](int tok, int row, int at, int nt, int q) { mine[at_col(tok, row, at)] = acc[at][nt][q]; });
+    __threadfence();
+    __syncthreads();
+    __shared__ int last;
+    if (tid == 0) {
+      const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+      last = atomicAdd(&a.counters[tile], 1) == a.splits - 1;
+      if (last) a.counters[tile] = 0;   // stream order: the next launch finds it zeroed
     }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    each_out([&](int tok, int row, int at, int nt, int q) {
+      const size_t i = at_col(tok, row, at);
+      float sum = 0.f;
+      for (int z = 0; z < a.splits; ++z) sum += __ldcg(a.partials + (size_t)z * a.m * cols + i);
+      acc[at][nt][q] = sum;
+    });
   }
 
-  // lane holds (row g / g+8, tokens 2t, 2t+1) of each tile
-#pragma unroll
-  for (int nt = 0; nt < BT; ++nt)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int tok = tok0 + (wt * BT + nt) * 8 + 2 * t + e;
-      if (tok >= a.m) continue;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if constexpr (OP == OP_SILU) {
-          const int row = row0 + wr * 16 + g + 8 * h;
-          if (row >= a.n) continue;
-          const float gv = acc[0][nt][2 * h + e], uv = acc[1][nt][2 * h + e];
-          static_cast<half*>(a.out)[(size_t)tok * a.n + row] =
-              __float2half_rn(gv / (1.f + __expf(-gv)) * uv);
-        } else {
-#pragma unroll
-          for (int at = 0; at < AT; ++at) {
-            const int row = row0 + (wr * AT + at) * 16 + g + 8 * h;
-            if (row >= a.n) continue;
-            const float v = acc[at][nt][2 * h + e];
-            const size_t i = (size_t)tok * a.n + row;
-            if constexpr (OP == OP_STORE) {
-              const float b = a.bias ? __half2float(a.bias[row]) : 0.f;
-              static_cast<half*>(a.out)[i] = __float2half_rn(v + b);
-            } else {
-              static_cast<float*>(a.out)[i] += v;
-            }
-          }
-        }
+  each_out([&](int tok, int row, int at, int nt, int q) {
+    const size_t i = (size_t)tok * a.n + row;
+    const float v = acc[at][nt][q];
+    if constexpr (OP == OP_SILU) {
+      if (at == 0) {   // gate; acc[1] the same row's up
+        const float uv = acc[1][nt][q];
+        static_cast<half*>(a.out)[i] = __float2half_rn(v / (1.f + __expf(-v)) * uv);
       }
+    } else if constexpr (OP == OP_STORE) {
+      const float b = a.bias ? __half2float(a.bias[row]) : 0.f;
+      static_cast<half*>(a.out)[i] = __float2half_rn(v + b);
+    } else {
+      static_cast<float*>(a.out)[i] += v;
     }
+  });
 }
 
 // A block shape: WR x WT warps, BT token tiles of 8 a warp, an S-stage ring of KG groups a stage.
