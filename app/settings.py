@@ -60,6 +60,7 @@ LABELS = {
     "decode_mode": "Decode mode",
     "speculation": "Speculative decoding",
     "draft_model": "Draft model",
+    "last_model": "Last model",
     "model_sampler": "Sampler from the model",
     "cpu_threads": "CPU threads",
     "perf_panel": "Perf panel",
@@ -126,7 +127,10 @@ class Settings:
         need(self.perf_panel in PERF_PANEL, "perf_panel", f"must be one of {', '.join(PERF_PANEL)}")
         need(self.speculation in SPECULATION, "speculation",
              f"must be one of {', '.join(SPECULATION)}")
-        need(isinstance(self.draft_model, str), "draft_model", "must be a file path")
+        # paths: text a file name can be (the OS refuses a NUL byte: Path.exists raises)
+        need(_is_path(self.draft_model), "draft_model", "must be a file path")
+        need(self.last_model is None or _is_path(self.last_model), "last_model",
+             "must be a file path")
         need(self.speculation != "draft" or (isinstance(self.draft_model, str)
                                               and self.draft_model.strip() != ""),
              "draft_model", "is needed for speculation with a draft model: a .nanoqwen file "
@@ -176,6 +180,10 @@ class Settings:
             raise SettingsError(errors)
         assert settings is not None
         return settings
+
+
+def _is_path(v: Any) -> bool:
+    return isinstance(v, str) and "\0" not in v
 
 
 _FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(Settings)}

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from nanoqwen.app.settings import (Settings, SettingsError, default_settings_path, load_settings,
-                                   save_settings)
+from nanoqwen.app.settings import (LABELS, Settings, SettingsError, default_settings_path,
+                                   load_settings, save_settings)
 from nanoqwen.engine.sampling import SamplerParams
 
 
@@ -86,6 +86,19 @@ def test_bad_values_in_file_are_reset_one_by_one(tmp_path):
     s, warning = load_settings(p)
     assert s.top_k == 7 and s.temperature == Settings().temperature
     assert "Temperature" in warning and "reset Temperature to the default" in warning
+
+
+@pytest.mark.parametrize("field", ["last_model", "draft_model"])
+@pytest.mark.parametrize("value", [42, ["a.nanoqwen"], {"p": 1}, "a\0b.nanoqwen"])
+def test_a_model_path_that_is_no_path_is_reset_with_a_warning(tmp_path, field, value):
+    """A hand-edited file with a number, a list or a NUL byte where a model's path goes: the
+    app would fail opening it (Path(42) raises TypeError, Path.exists a ValueError on a NUL);
+    the field is reset, the rest kept, and the warning names it."""
+    p = tmp_path / "settings.json"
+    p.write_text(json.dumps({field: value, "top_k": 7}))
+    s, warning = load_settings(p)
+    assert getattr(s, field) == getattr(Settings(), field) and s.top_k == 7
+    assert LABELS[field] in warning and "must be a file path" in warning
 
 
 def test_unknown_keys_are_ignored_with_a_warning(tmp_path):
