@@ -2,7 +2,7 @@
 fp16 prefills, per projection of a preset and per prompt length m: where gemm_int4 should take a
 prompt chunk (engine/switches.py's NANOQWEN_INT4_MAX_M).
 
-    python benchmarks/bench_gemm_int4.py [--preset 7b] [--m 1,8,16,32,40,64,96,128,256,512] [--json F]
+    python benchmarks/bench_gemm_int4.py [--preset 7b] [--m 1,8,16,...,512] [--json F]
 
 Per projection (qkv with bias, o_proj into the fp32 residual, gate/up with SiLU*mul, down_proj
 into the residual), random weights (std 0.02, quantized by engine/quant.py), x ~ randn, us per
@@ -86,15 +86,18 @@ def main(argv=None) -> int:
                 return dense(scratch)
 
             row = dict(proj=name, m=m, n=n, k=k, int4_us=timed(int4, stream),
-                       resident_us=timed(lambda: dense(ws), stream), dequant_us=timed(dequant, stream))
+                       resident_us=timed(lambda: dense(ws), stream),
+                       dequant_us=timed(dequant, stream))
             rows.append(row)
             print(" ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}"
                            for a, b in row.items()), flush=True)
     layer = {}
     for m in sorted({r["m"] for r in rows}):
         rs = [r for r in rows if r["m"] == m]
-        layer[m] = {f"{w}_us": sum(r[f"{w}_us"] for r in rs) for w in ("int4", "resident", "dequant")}
-        print(f"per layer m={m}: " + " ".join(f"{a}={b:.1f}" for a, b in layer[m].items()), flush=True)
+        layer[m] = {f"{w}_us": sum(r[f"{w}_us"] for r in rs)
+                    for w in ("int4", "resident", "dequant")}
+        print(f"per layer m={m}: " + " ".join(f"{a}={b:.1f}" for a, b in layer[m].items()),
+              flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
             device=torch.cuda.get_device_name(), preset=args.preset, commit=_commit(),

@@ -1,8 +1,9 @@
 """The measurement switches (engine/switches.py): every accepted and rejected form of
-NANOQWEN_PDL, NANOQWEN_ATTN_MIN_PPS and NANOQWEN_INT4_MAX_M, the removed NANOQWEN_FUSE_NORM refused when set, the C++
-side's constants, and a bad value reaching the user as a message (CUDA backend init, loader,
-CLI, app) instead of a traceback or a silent fallback. CPU only: where a path needs CUDA, torch.cuda.is_available is
-patched to True and the check fires before anything touches the device."""
+NANOQWEN_PDL, NANOQWEN_ATTN_MIN_PPS and NANOQWEN_INT4_MAX_M, the removed NANOQWEN_FUSE_NORM
+refused when set, the C++ side's constants, and a bad value reaching the user as a message
+(CUDA backend init, loader, CLI, app) instead of a traceback or a silent fallback. CPU only:
+where a path needs CUDA, torch.cuda.is_available is patched to True and the check fires before
+anything touches the device."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The product's prefill GEMM kernel at other block shapes (gemm_int4_shapes.cu includes
 csrc/gemm_int4.cu), against cuBLAS on the resident fp16 weights and the dequant path.
 
-    python benchmarks/lab/gemm_int4_shapes.py [--preset 7b] [--m 1,8,16,40,64,128,512,2048] [--json F]
+    python benchmarks/lab/gemm_int4_shapes.py [--preset 7b] [--m 1,8,...,2048] [--json F]
 
 Per 7B projection (qkv with bias, o_proj into the fp32 residual, gate/up with SiLU*mul, down_proj
 into the residual), random weights (std 0.02, quantized by engine/quant.py), x ~ randn: every
@@ -78,8 +78,10 @@ def main(argv=None) -> int:
 
     nq = cfg.q_size + 2 * cfg.kv_size
     bias = (torch.randn(nq, generator=gen, device="cuda") * 0.1).half()
-    projs = [("qkv", "store", nq, H, [mat(nq, H)]), ("o", "resid", H, cfg.q_size, [mat(H, cfg.q_size)]),
-             ("gate_up", "silu", I, H, [mat(I, H), mat(I, H)]), ("down", "resid", H, I, [mat(H, I)])]
+    projs = [("qkv", "store", nq, H, [mat(nq, H)]),
+             ("o", "resid", H, cfg.q_size, [mat(H, cfg.q_size)]),
+             ("gate_up", "silu", I, H, [mat(I, H), mat(I, H)]),
+             ("down", "resid", H, I, [mat(H, I)])]
     counters = torch.zeros(1024, dtype=torch.int32, device="cuda")
     rows, worst = [], 0.0
     for m in [int(v) for v in args.m.split(",")]:

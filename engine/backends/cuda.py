@@ -408,8 +408,9 @@ class CudaBackend(Backend):
         """K/V of tokens at pos0.. into the cache, logits of the last one into self.logits; with
         `sample`, also sample + advance (ring slot = counter). One C++ call (GIL released) that
         only enqueues: layer by layer, the projections (cuBLAS on fp16 weights resident or
-        dequantized per layer, or gemm_int4 on the INT4 weights), rope_kv_write into the decode pages, SDPA over the paged cache. One token is
-        a decode step (graph or eager, as the mode says)."""
+        dequantized per layer, or gemm_int4 on the INT4 weights), rope_kv_write into the decode
+        pages, SDPA over the paged cache. One token is a decode step (graph or eager, as the
+        mode says)."""
         self._reserve(pos0 + len(tokens))
         self.core.prefill(torch.tensor(tokens, dtype=torch.int32), pos0, sample,
                           self._mode == "graph")
