@@ -27,6 +27,49 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_verify import us_per_launch as timed  # noqa: E402
 
+F = torch.nn.functional
+
+
+def projections(cfg, gen: torch.Generator, dequant, device="cuda"):
+    """The preset's four prefill projections, random weights (std 0.02) quantized by
+    engine/quant.py: ([(name, epilogue, n, k, mats)], qkv's bias), epilogue "store" (qkv, with
+    the bias), "resid" (o, down: into the fp32 residual) or "silu" (gate/up: two matrices);
+    mats [(qweight, scales, fp16 weight from `dequant`)]. Also lab/gemm_int4_shapes.py's."""
+    from nanoqwen.engine.quant import quantize
+
+    def mat(n, k):
+        qw, sc = quantize(torch.randn(n, k, generator=gen, device=device) * 0.02)
+        return qw.contiguous(), sc.contiguous(), dequant(qw, sc)
+
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    nq = cfg.q_size + 2 * cfg.kv_size
+    bias = (torch.randn(nq, generator=gen, device=device) * 0.1).half()
+    return [("qkv", "store", nq, H, [mat(nq, H)]),
+            ("o", "resid", H, cfg.q_size, [mat(H, cfg.q_size)]),
+            ("gate_up", "silu", I, H, [mat(I, H), mat(I, H)]),
+            ("down", "resid", H, I, [mat(H, I)])], bias
+
+
+def fp16_paths(epilogue: str, x, mats, bias, resid, dequant_into):
+    """(resident, dequant): one projection as the prefill runs it on fp16 weights -- F.linear
+    on the fp16 weights (gate/up: + SiLU*mul in fp32; o/down: added to `resid`), and the same
+    after `dequant_into(out, qweight, scales)` of each matrix into scratch. Also the lab's."""
+    scratch = [torch.empty_like(mt[2]) for mt in mats]
+
+    def dense(wl):
+        if epilogue == "silu":
+            g_, u_ = F.linear(x, wl[0]).float(), F.linear(x, wl[1]).float()
+            return (F.silu(g_) * u_).half()
+        out = F.linear(x, wl[0], bias if epilogue == "store" else None)
+        return out if epilogue == "store" else resid.add_(out)
+
+    def dequant():
+        for (qw, sc, _), o in zip(mats, scratch):
+            dequant_into(o, qw, sc)
+        return dense(scratch)
+
+    return (lambda: dense([mt[2] for mt in mats])), dequant
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -38,56 +81,31 @@ def main(argv=None) -> int:
     from nanoqwen.engine.build import load_extension
     from nanoqwen.engine.config import ModelConfig
     from nanoqwen.engine.ops import dequant_int4
-    from nanoqwen.engine.quant import quantize
 
     load_extension()
     ops = torch.ops.nanoqwen
-    F = torch.nn.functional
     cfg = ModelConfig.from_name(args.preset)
-    H, I = cfg.hidden_size, cfg.intermediate_size
     gen = torch.Generator(device="cuda").manual_seed(0)
     stream = torch.cuda.current_stream()
-
-    def mat(n, k):
-        qw, sc = quantize(torch.randn(n, k, generator=gen, device="cuda") * 0.02)
-        return qw.contiguous(), sc.contiguous(), dequant_int4(qw, sc)
-
-    nq = cfg.q_size + 2 * cfg.kv_size
-    bias = (torch.randn(nq, generator=gen, device="cuda") * 0.1).half()
-    projs = [("qkv", nq, H, [mat(nq, H)]), ("o", H, cfg.q_size, [mat(H, cfg.q_size)]),
-             ("gate_up", I, H, [mat(I, H), mat(I, H)]), ("down", H, I, [mat(H, I)])]
+    projs, bias = projections(cfg, gen, dequant_int4)
     rows = []
     for m in [int(v) for v in args.m.split(",")]:
-        for name, n, k, mats in projs:
+        for name, epilogue, n, k, mats in projs:
             x = torch.randn(m, k, generator=gen, device="cuda").half()
             resid = torch.zeros(m, n, device="cuda")
             y = torch.empty(m, n, device="cuda", dtype=torch.half)
-            ws = [mt[2] for mt in mats]
-            scratch = [torch.empty_like(w) for w in ws]
 
             def int4():
-                if name == "qkv":
+                if epilogue == "store":
                     ops.gemm_int4(y, x, mats[0][0], mats[0][1], bias)
-                elif name == "gate_up":
+                elif epilogue == "silu":
                     ops.gemm_int4_silu_mul(y, x, mats[0][0], mats[0][1], mats[1][0], mats[1][1])
                 else:
                     ops.gemm_int4_residual(resid, x, mats[0][0], mats[0][1])
 
-            def dense(wl):
-                if name == "gate_up":
-                    g_, u_ = F.linear(x, wl[0]).float(), F.linear(x, wl[1]).float()
-                    return (F.silu(g_) * u_).half()
-                out = F.linear(x, wl[0], bias if name == "qkv" else None)
-                return out if name == "qkv" else resid.add_(out)
-
-            def dequant():
-                for (qw, sc, _), o in zip(mats, scratch):
-                    ops.dequant_int4(o, qw, sc)
-                return dense(scratch)
-
+            resident, dequant = fp16_paths(epilogue, x, mats, bias, resid, ops.dequant_int4)
             row = dict(proj=name, m=m, n=n, k=k, int4_us=timed(int4, stream),
-                       resident_us=timed(lambda: dense(ws), stream),
-                       dequant_us=timed(dequant, stream))
+                       resident_us=timed(resident, stream), dequant_us=timed(dequant, stream))
             rows.append(row)
             print(" ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}"
                            for a, b in row.items()), flush=True)

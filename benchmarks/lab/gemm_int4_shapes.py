@@ -30,6 +30,7 @@ import torch
 LAB = Path(__file__).resolve().parent
 sys.path.insert(0, str(LAB.parent))
 sys.path.insert(0, str(LAB))
+from bench_gemm_int4 import fp16_paths, projections  # noqa: E402  (benchmarks/)
 from bench_verify import us_per_launch as timed  # noqa: E402
 from lab import compile_alone  # noqa: E402
 
@@ -60,28 +61,15 @@ def main(argv=None) -> int:
     from nanoqwen.engine.build import load_extension
     from nanoqwen.engine.config import ModelConfig
     from nanoqwen.engine.ops import dequant_int4
-    from nanoqwen.engine.quant import quantize
 
     load_extension()
     lib = build()
     names = [lib.gi4_name(i).decode() for i in range(lib.gi4_count())]
     cfg = ModelConfig.from_name(args.preset)
-    H, I = cfg.hidden_size, cfg.intermediate_size
     gen = torch.Generator(device="cuda").manual_seed(0)
     stream = torch.cuda.current_stream()
     sp = ctypes.c_void_p(stream.cuda_stream)
-    F = torch.nn.functional
-
-    def mat(n, k):
-        qw, sc = quantize(torch.randn(n, k, generator=gen, device="cuda") * 0.02)
-        return qw.contiguous(), sc.contiguous(), dequant_int4(qw, sc)
-
-    nq = cfg.q_size + 2 * cfg.kv_size
-    bias = (torch.randn(nq, generator=gen, device="cuda") * 0.1).half()
-    projs = [("qkv", "store", nq, H, [mat(nq, H)]),
-             ("o", "resid", H, cfg.q_size, [mat(H, cfg.q_size)]),
-             ("gate_up", "silu", I, H, [mat(I, H), mat(I, H)]),
-             ("down", "resid", H, I, [mat(H, I)])]
+    projs, bias = projections(cfg, gen, dequant_int4)
     counters = torch.zeros(1024, dtype=torch.int32, device="cuda")
     rows, worst = [], 0.0
     for m in [int(v) for v in args.m.split(",")]:
@@ -123,21 +111,9 @@ def main(argv=None) -> int:
                 row[f"{nm}_us"] = timed(lambda: call(v, out, part), stream)
                 row[f"{nm}_splits"] = int(fl // (m * (2 * n if op == 'silu' else n))) if fl else 1
 
-            def dense(wl):
-                if op == "silu":
-                    g_, u_ = F.linear(x, wl[0]).float(), F.linear(x, wl[1]).float()
-                    return (F.silu(g_) * u_).half()
-                y = F.linear(x, wl[0], b)
-                return resid.add_(y) if op == "resid" else y
-
-            scratch = [torch.empty_like(w) for w in wds]
-
-            def dequant():
-                for (qw, sc, _), o in zip(mats, scratch):
-                    torch.ops.nanoqwen.dequant_int4(o, qw, sc)
-                return dense(scratch)
-
-            row["resident_us"] = timed(lambda: dense(wds), stream)
+            resident, dequant = fp16_paths(op, x, mats, bias, resid,
+                                           torch.ops.nanoqwen.dequant_int4)
+            row["resident_us"] = timed(resident, stream)
             row["dequant_us"] = timed(dequant, stream)
             best = min(names, key=lambda nm: row[f"{nm}_us"])
             row["best"], row["best_us"] = best, row[f"{best}_us"]
