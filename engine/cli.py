@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prefill-weights", choices=PREFILL_WEIGHTS, default="auto",
                    help="the CUDA prefill's weights: fp16 copies kept resident, dequantized a "
                         "layer at a time, or the INT4 weights themselves (gemm_int4); auto: "
-                        "resident where it fits with room to spare, else int4")
+                        "resident where it fits with room to spare, else dequant where a "
+                        "layer's copy fits, else int4")
     b.add_argument("--json", action="store_true")
     b.add_argument("--spec", choices=SPEC_MODES, default=None,
                    help="speculative decoding on the code-editing workload (engine/"
