@@ -2,9 +2,10 @@
 # Issue 14 item 3 on the GPU: attention_decode's two page loops, the cp.async split-K kernel
 # (kernel 0) and the TMA warp-specialized one on tensor cores (kernel 1, NANOQWEN_ATTN_TMA=1).
 #   PART=A: install, build, tests/gpu (all of it: both kernels' op tests, compute-sanitizer
-#           memcheck / racecheck / synccheck, the verify step's bit identity with each), the
-#           op alone at 128..32768 (bench_attention.py), then `nanoqwen bench` at 7B with each
-#           kernel: decode after 512 (the plain bench), 8192 and 30000 cached tokens
+#           memcheck / racecheck / synccheck, the verify step's bit identity with each), then
+#           the op alone at 128..32768 (bench_attention.py)
+#   PART=B: install, build, `nanoqwen bench` at 7B with each kernel: decode after 512 (the
+#           plain bench), 8192 and 30000 cached tokens
 #   PART=T: tests/gpu only (the submitted tree)
 # The JSON files come back as one $OUT/results_<PART>_<commit>.tgz, the log beside it.
 # Carry .whl (the app tests' wheels).
@@ -25,9 +26,13 @@ b() {  # b TMA TAG ARGS...: one 7B bench run's JSON and its figures
 }
 {
 source benchmarks/device_setup.sh
-t "tests/gpu"; timeout ${TEST_TIMEOUT:-400} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -40
+if [ "$P" != B ]; then
+  t "tests/gpu"; timeout ${TEST_TIMEOUT:-400} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -40
+fi
 if [ "$P" = A ]; then
   t "bench_attention"; timeout 200 python3 benchmarks/bench_attention.py --json "$R/bench_attention_$C.json" 2>&1 | tail -40
+fi
+if [ "$P" = B ]; then
   for tma in 0 1; do b $tma d0 -p 512 -n 128 -r 5 --mode graph,eager; done
   for tma in 0 1; do b $tma d8192 -d 8192 -p 512 -n 128 -r 3 --mode graph; done
   for tma in 0 1; do b $tma d30000 -d 30000 -p 64 -n 64 -r 3 --mode graph; done
