@@ -913,9 +913,13 @@ class Engine : public torch::CustomClassHolder {
       chunks.push_back({s, std::min(T, s + chunk_)});
       pos_t.push_back(at::full({1}, pos0 + s, iopt));
     }
+    // a chunk of tc tokens through gemm_int4: always with int4 weights; with dequant ones where it
+    // is short (a next turn: gemm_int4 reads the INT4 weights once, the dequant path writes and
+    // rereads a layer's fp16 copy); never with resident ones (cuBLAS on them is faster from 32
+    // tokens: benchmarks/RESULTS.md, session 18)
+    const auto via_int4 = [&](int64_t tc) { return int4_ || (!resident_ && tc <= int4_max_m_); };
     bool all_int4 = true;   // every chunk through gemm_int4: the dequant path dequantizes nothing
-    for (const auto& ch : chunks)
-      all_int4 = all_int4 && (int4_ || (!resident_ && ch.second - ch.first <= int4_max_m_));
+    for (const auto& ch : chunks) all_int4 = all_int4 && via_int4(ch.second - ch.first);
     if (!split_counters_.defined())
       split_counters_ = at::zeros({nanoqwen::kGemmCounters}, iopt);
     for (size_t li = 0; li < a.layers.size(); ++li) {
@@ -925,11 +929,7 @@ class Engine : public torch::CustomClassHolder {
       if (!resident_ && !int4_ && !all_int4) dequant_layer(li);
       for (size_t c = 0; c < chunks.size(); ++c) {
         const int64_t s = chunks[c].first, e = chunks[c].second, tc = e - s;
-        // this chunk through gemm_int4: always with int4 weights; with dequant ones where it is
-        // short (a next turn: gemm_int4 reads the INT4 weights once, the dequant path writes and
-        // rereads a layer's fp16 copy); never with resident ones (cuBLAS on them is faster from
-        // 32 tokens: benchmarks/RESULTS.md, session 18)
-        const bool q4 = int4_ || (!resident_ && tc <= int4_max_m_);
+        const bool q4 = via_int4(tc);
         Tensor h = hidden.narrow(0, s, tc);                                       // [Tc, H]
         Tensor xn = at::empty({tc, H}, hopt);
         check_launch("prefill rmsnorm", nanoqwen::rmsnorm(hp(xn), h.data_ptr<float>(), L.ln1, (int)tc,

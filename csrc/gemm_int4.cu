@@ -95,6 +95,18 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
 
   // stage slot: X [BM][KG][256 B], W [BN][KG*4 chunks of 16 B], scales [KG][BN] x 4 B. Groups
   // past ke are zero-filled (x = 0: they add nothing)
+  // the matrix row of stage row r; *up: it is the up matrix's (SiLU: the stage's rows are runs
+  // of 16 gate rows and the same 16 up rows, so a warp's tile pair holds both for one row)
+  auto stage_row = [&](int r, bool* up) {
+    if constexpr (OP == OP_SILU) {
+      const int rem = r % 32;
+      *up = rem >= 16;
+      return row0 + (r / 32) * 16 + (rem % 16);
+    } else {
+      *up = false;
+      return row0 + r;
+    }
+  };
   auto load_stage = [&](int slot, int kg0) {
     unsigned char* xs = smem + slot * C::STAGE;
     unsigned char* ws = xs + C::X_BYTES;
@@ -109,16 +121,9 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
     }
     for (int c = tid; c < C::BN * 4 * KG; c += C::kThreads) {
       const int r = c / (4 * KG), ch = c % (4 * KG);
-      int grow;
-      const uint4* base;
-      if constexpr (OP == OP_SILU) {
-        const int rem = r % 32;
-        grow = row0 + (r / 32) * 16 + (rem % 16);
-        base = reinterpret_cast<const uint4*>(rem >= 16 ? a.qw2 : a.qw);
-      } else {
-        grow = row0 + r;
-        base = reinterpret_cast<const uint4*>(a.qw);
-      }
+      bool up;
+      const int grow = stage_row(r, &up);
+      const uint4* base = reinterpret_cast<const uint4*>(up ? a.qw2 : a.qw);
       const bool ok = grow < a.n && kg0 + ch / 4 < ke;
       // chunk ch of row r at ch ^ 4 on odd rows (KG > 1): a quarter warp's two rows apart
       const int pc = KG > 1 ? ch ^ ((r & 1) << 2) : ch;
@@ -127,16 +132,9 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
     }
     for (int c = tid; c < C::BN * KG; c += C::kThreads) {
       const int r = c % C::BN, gi = c / C::BN;
-      int grow;
-      const half* sbase;
-      if constexpr (OP == OP_SILU) {
-        const int rem = r % 32;
-        grow = row0 + (r / 32) * 16 + (rem % 16);
-        sbase = rem >= 16 ? a.sc2 : a.sc;
-      } else {
-        grow = row0 + r;
-        sbase = a.sc;
-      }
+      bool up;
+      const int grow = stage_row(r, &up);
+      const half* sbase = up ? a.sc2 : a.sc;
       const bool ok = grow < a.n && kg0 + gi < ke;
       const size_t e = ok ? (size_t)grow * G + kg0 + gi : 0;   // the scale's index; pair e & ~1
       cp_async4_fill(ss + (gi * C::BN + r) * 4, sbase + (e & ~(size_t)1),
@@ -144,15 +142,19 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
     }
   };
 
-  // this lane's rows (tile at, rows g and g+8): the parity of their scale rows' first index
-  // (row * G; the group adds its own), which says which half of the stage's pair is the scale
+  // this lane's output row of tile at, half h (rows g and g + 8; SiLU: at 0 gate, at 1 up, of
+  // the same row)
+  auto lane_row = [&](int at, int h) {
+    return OP == OP_SILU ? row0 + wr * 16 + g + 8 * h : row0 + (wr * AT + at) * 16 + g + 8 * h;
+  };
+  // the parity of this lane's scale rows' first index (row * G; the group adds its own), which
+  // says which half of the stage's pair is the scale
   int spar[AT][2];
 #pragma unroll
   for (int at = 0; at < AT; ++at)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int grow = OP == OP_SILU ? row0 + wr * 16 + g + 8 * h
-                                     : row0 + (wr * AT + at) * 16 + g + 8 * h;
+      const int grow = lane_row(at, h);
       spar[at][h] = (int)(((size_t)(grow < a.n ? grow : 0) * G) & 1);
     }
 
@@ -256,8 +258,7 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
         for (int at = 0; at < AT; ++at)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const int row = OP == OP_SILU ? row0 + wr * 16 + g + 8 * h
-                                          : row0 + (wr * AT + at) * 16 + g + 8 * h;
+            const int row = lane_row(at, h);
             if (row < a.n) f(tok, row, at, nt, 2 * h + e);
           }
       }
