@@ -6,7 +6,7 @@
 #           the op alone at 128..32768 (bench_attention.py)
 #   PART=B: install, build, `nanoqwen bench` at 7B with each kernel: decode after 512 (the
 #           plain bench), 8192 and 30000 cached tokens
-#   PART=T: tests/gpu only (the submitted tree)
+#   PART=AB: both; PART=T: tests/gpu only (the submitted tree)
 # The JSON files come back as one $OUT/results_<PART>_<commit>.tgz, the log beside it.
 # Carry .whl (the app tests' wheels).
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=A bash benchmarks/verify_attn_gpu.sh
@@ -26,13 +26,14 @@ b() {  # b TMA TAG ARGS...: one 7B bench run's JSON and its figures
 }
 {
 source benchmarks/device_setup.sh
-if [ "$P" != B ]; then
+case "$P" in *A*|T) RUN_T=1;; *) RUN_T=0;; esac
+if [ "$RUN_T" = 1 ]; then
   t "tests/gpu"; timeout ${TEST_TIMEOUT:-400} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -40
 fi
-if [ "$P" = A ]; then
+if [[ "$P" == *A* ]]; then
   t "bench_attention"; timeout 200 python3 benchmarks/bench_attention.py --json "$R/bench_attention_$C.json" 2>&1 | tail -40
 fi
-if [ "$P" = B ]; then
+if [[ "$P" == *B* ]]; then
   for tma in 0 1; do b $tma d0 -p 512 -n 128 -r 5 --mode graph,eager; done
   for tma in 0 1; do b $tma d8192 -d 8192 -p 512 -n 128 -r 3 --mode graph; done
   for tma in 0 1; do b $tma d30000 -d 30000 -p 64 -n 64 -r 3 --mode graph; done

@@ -547,14 +547,28 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
   __syncthreads();  // the barriers are initialised before anyone uses them
 
   const bool producer = warp == kTmaConsumers;
-  // page p_begin + i of this kv head into stage i % kTmaStages: lane r < 16 copies K row r,
-  // lane 16 + r V row r (HD * 2 bytes each); lane 0 first arms the stage with the byte count
+  // The producer's page ids, 32 at a time in its lanes (lane l: page p_begin + w + l of window w),
+  // the next window loaded a window ahead: a page-table load per page, dependent and in the
+  // producer's serial loop, cost an L2 latency per page (the first GPU run: 40 us at 32768).
+  // Read before griddep_wait in the decode step (the table is written >= 2 launches back).
+  int win = 0, nxt = 0;
+  auto load_windows = [&] {
+    win = lane < np ? page_table[p_begin + lane] : 0;
+    nxt = 32 + lane < np ? page_table[p_begin + 32 + lane] : 0;
+  };
+  // page p_begin + i of this kv head (its id from the window) into stage i % kTmaStages: lane
+  // r < 16 copies K row r, lane 16 + r V row r (HD * 2 bytes each); lane 0 first arms the stage
+  // with the byte count. Every lane of the producer warp calls it (the window's shuffle).
   auto issue_page = [&](int i) {
+    if (i > 0 && i % 32 == 0) {  // warp-uniform: the next window, and the one after it requested
+      win = nxt;
+      nxt = i + 32 + lane < np ? page_table[p_begin + i + 32 + lane] : 0;
+    }
+    const size_t page = (size_t)__shfl_sync(0xffffffffu, win, i & 31);
     uint64_t* bar = &s_full[i % kTmaStages];
     if (lane == 0) mbar_expect_tx(bar, Ring::kTx);
     __syncwarp();
     const int which = lane >> 4, row = lane & 15;
-    const size_t page = (size_t)page_table[p_begin + i];
     const half* src = (which ? v_cache : k_cache) + (page * kPageSize + row) * slot_stride +
                       (size_t)kvh * HD;
     unsigned char* dst = s_ring + (size_t)(i % kTmaStages) * Ring::kStageBytes +
@@ -563,6 +577,7 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
   };
   if constexpr (MQ) griddep_wait();  // the new positions' K/V come from the launch just before
   if (producer) {  // warp-uniform; no block barrier inside
+    load_windows();
     for (int i = 0; i < min(np, kTmaStages); ++i) issue_page(i);
   }
   // this thread's RoPE pairs of q: i = tid + k * kTmaThreads over G * HD/2 pairs

@@ -36,7 +36,8 @@ def test_attention_decode_sanitizer_clean(tool):
     pos beyond the table: this file run as a script."""
     r = subprocess.run(sanitizer_cmd(tool, Path(__file__)), capture_output=True, text=True,
                        timeout=400)
-    print(r.stdout[-4000:], r.stderr[-4000:])
+    out = r.stdout + r.stderr
+    print(out if len(out) <= 12000 else out[:6000] + "\n[...]\n" + out[-6000:])
     assert r.returncode == 0, f"{tool} exit {r.returncode}"
     assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr or tool == "racecheck"
     if tool == "racecheck":
