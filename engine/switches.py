@@ -6,7 +6,7 @@ A/B measurements (README, "measurement switches"; the numbers are in benchmarks/
                                n = 1..8192 in decimal digits, default 2
     NANOQWEN_ATTN_TMA=0|1      attention_decode's page loop: 1 the TMA          backends/cuda.py
                                warp-specialized kernel on tensor cores, 0 the
-                               cp.async split-K kernel; default ATTN_TMA_DEFAULT
+                               cp.async split-K kernel; default 1
     NANOQWEN_INT4_MAX_M=n      with prefill weights "dequant" (no resident fp16  backends/cuda.py
                                copy), prompt chunks of at most n tokens go
                                through gemm_int4 on the INT4 weights instead;
@@ -37,7 +37,9 @@ from .errors import NanoqwenError
 PDL = "NANOQWEN_PDL"
 ATTN_MIN_PPS = "NANOQWEN_ATTN_MIN_PPS"
 ATTN_TMA = "NANOQWEN_ATTN_TMA"
-ATTN_TMA_DEFAULT = False
+# the TMA kernel was faster than the cp.async one at every context of bench_attention.py (H100,
+# 128 to 32768 tokens: benchmarks/RESULTS.md, session 19); 0 keeps the old one for A/B runs
+ATTN_TMA_DEFAULT = True
 # switches that existed and were removed: variable -> why (read_switches refuses them when set)
 REMOVED = {
     "NANOQWEN_FUSE_NORM": "the fused-norm GEMVs it selected decoded at 1.93 ms/token against 1.89 "
