@@ -55,113 +55,6 @@ __device__ __forceinline__ void half8_to_float(float (&f)[8], uint4 u) {
   }
 }
 
-// The end of a split block, shared by both kernels: the per-warp partials (s_wm / s_wl [NW][G],
-// s_wacc [NW][G][HD], in shared memory, published by a barrier every thread passed) merged into
-// the split's (m, l, acc) in ws; then the last active split block of kv head kvh merges all
-// active splits into out, in split order, and zeroes counters[kvh]. s_merge: kMergeChunk * 2 * G
-// floats of scratch that may alias s_wacc (it is written only after s_wacc's last read and a
-// barrier). Called by all NT threads, outside any warp-dependent branch.
-template <int HD, int G, int NW, int NT, int kMergeChunk>
-__device__ __forceinline__ void finish_split(half* __restrict__ out, float* __restrict__ ws_acc,
-                                             float* __restrict__ ws_ml, int32_t* counters,
-                                             const float* s_wm, const float* s_wl,
-                                             const float* s_wacc, float* s_merge, int* s_last,
-                                             int kvh, int split, int num_splits, int n_active,
-                                             int head0) {
-  const int tid = threadIdx.x;
-  for (int i = tid; i < G * HD; i += NT) {
-    const int g = i / HD, d = i % HD;
-    float M = kNegBig;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) M = fmaxf(M, s_wm[w * G + g]);
-    float o = 0.f, L = 0.f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      const float f = exp2f(s_wm[w * G + g] - M);  // 0 for a warp that saw only masked tokens
-      o = fmaf(s_wacc[(w * G + g) * HD + d], f, o);
-      L = fmaf(s_wl[w * G + g], f, L);
-    }
-    const size_t sl = (size_t)(head0 + g) * num_splits + split;
-    ws_acc[sl * HD + d] = o;
-    if (d == 0) {
-      ws_ml[sl * 2] = M;
-      ws_ml[sl * 2 + 1] = L;
-    }
-  }
-
-  // ---- the last active split block of this kv head merges ----
-  __threadfence();  // this thread's ws writes are visible device-wide before the count
-  __syncthreads();
-  if (tid == 0) *s_last = atomicAdd(&counters[kvh], 1) == n_active - 1;
-  __syncthreads();
-  if (!*s_last) return;  // block-uniform
-  __threadfence();      // acquire side: other blocks' ws writes are read after the count
-  // Thread t owns 4 dims (float4) of heads g = t / TPH + k * HPB. Splits come in chunks whose
-  // (m, l) are staged in shared memory by one parallel load (a serial loop over L2 loads was
-  // ~0.4 us per split); the acc loads of 16 splits are in flight at once. Per element this is
-  // the merge formula above, in split order (chunks > 1 only past kMergeChunk splits, then the
-  // running sum is rescaled once per chunk).
-  constexpr int TPH = HD / 4, HPB = NT / TPH, HPT = (G + HPB - 1) / HPB;
-  float* s_mm = s_merge;  // [G][kMergeChunk] maxima, then sums
-  float* s_ll = s_mm + G * kMergeChunk;
-  const int d4 = (tid % TPH) * 4, gq = tid / TPH;
-  float M[HPT], L[HPT];
-  float4 o[HPT];
-#pragma unroll
-  for (int k = 0; k < HPT; ++k) {
-    M[k] = kNegBig;
-    L[k] = 0.f;
-    o[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  for (int c0 = 0; c0 < n_active; c0 += kMergeChunk) {
-    const int cn = min(kMergeChunk, n_active - c0);
-    __syncthreads();  // the ring / the previous chunk's (m, l) are no longer read
-    for (int i = tid; i < G * cn; i += NT) {
-      const int g = i / cn, sp = i % cn;
-      const float2 ml = __ldcg(reinterpret_cast<const float2*>(
-          ws_ml + ((size_t)(head0 + g) * num_splits + c0 + sp) * 2));
-      s_mm[g * kMergeChunk + sp] = ml.x;
-      s_ll[g * kMergeChunk + sp] = ml.y;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < HPT; ++k) {
-      const int g = gq + k * HPB;
-      if (g < G) {  // warp-uniform (a warp covers whole heads); no barrier or shuffle inside
-        float mc = M[k];
-#pragma unroll 8
-        for (int sp = 0; sp < cn; ++sp) mc = fmaxf(mc, s_mm[g * kMergeChunk + sp]);
-        const float f0 = exp2f(M[k] - mc);  // 0 on the first chunk (o, L are 0 there)
-        L[k] *= f0;
-        o[k].x *= f0; o[k].y *= f0; o[k].z *= f0; o[k].w *= f0;
-        M[k] = mc;
-        const float4* ac = reinterpret_cast<const float4*>(
-            ws_acc + ((size_t)(head0 + g) * num_splits + c0) * HD + d4);
-#pragma unroll 16
-        for (int sp = 0; sp < cn; ++sp) {  // split order: deterministic
-          const float f = exp2f(s_mm[g * kMergeChunk + sp] - mc);
-          const float4 a = __ldcg(ac + (size_t)sp * (HD / 4));
-          L[k] = fmaf(s_ll[g * kMergeChunk + sp], f, L[k]);
-          o[k].x = fmaf(a.x, f, o[k].x);
-          o[k].y = fmaf(a.y, f, o[k].y);
-          o[k].z = fmaf(a.z, f, o[k].z);
-          o[k].w = fmaf(a.w, f, o[k].w);
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < HPT; ++k) {
-    const int g = gq + k * HPB;
-    if (g < G) {
-      half2* dst = reinterpret_cast<half2*>(out + (size_t)(head0 + g) * HD + d4);
-      dst[0] = __floats2half2_rn(o[k].x / L[k], o[k].y / L[k]);
-      dst[1] = __floats2half2_rn(o[k].z / L[k], o[k].w / L[k]);
-    }
-  }
-  if (tid == 0) counters[kvh] = 0;  // every active block of this kv head has counted
-}
-
 // MQ (the verify step, attention_decode_cached): blockIdx.z = query i at position pos + i, its
 // q from row i of qkv [T, q + 2kv], its out / ws / counters slices its own; the K/V of every
 // position, the query's own included, are already in the cache (rope_kv_write, the launch just
@@ -403,357 +296,98 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
     }
   }
   __syncthreads();
-  finish_split<HD, G, kDecWarps, kDecThreads, kRingBytes / (8 * G)>(
-      out, ws_acc, ws_ml, counters, &s_wm[0][0], &s_wl[0][0], s_wacc,
-      reinterpret_cast<float*>(s_raw), &s_last, kvh, split, num_splits, n_active, head0);
-}
-
-// ---- the warp-specialized kernel: TMA bulk copies into an mbarrier ring, tensor-core math ------
-// Same grid, splits, prologue (pos, pages, RoPE of q, the fresh k/v of pos) and end
-// (finish_split) as attn_decode_kernel; the page loop differs. Warp kTmaConsumers (the producer)
-// copies each page's 16 K rows and 16 V rows with cp.async.bulk (one row per lane, completing on
-// the stage's `full` mbarrier with a transaction count) into a kTmaStages-deep ring, refilling a
-// stage once its consumer has arrived on the stage's `empty` mbarrier. Consumer warp w takes the
-// split's pages w, w + kTmaConsumers, ...: S = Q K^T by mma.sync m16n8k16 (A = the G rotated
-// query heads as rows, rows G..15 zero; B = 8 tokens of K by ldmatrix), an online softmax in base
-// 2 per head row (fp32), then O += P V (A = P rounded to fp16, the accumulator layout of S reused
-// as the A fragment; B = V by ldmatrix.trans). Each consumer keeps its own (m, l, acc), merged
-// across warps in finish_split. The page holding pos gets its fresh k/v row, and a partial last
-// page zeroes its V rows past the end, written by the consuming warp into its stage before it
-// reads it (so 0 * garbage never reaches the sums; masked scores are -inf by select).
-// Barriers: the block barriers all sit outside the role branches; inside them only the mbarriers
-// and __syncwarp order the warps (the seed's lesson: a block barrier in a warp-specialized branch
-// is undefined behaviour).
-constexpr int kTmaConsumers = 4;
-constexpr int kTmaThreads = (kTmaConsumers + 1) * 32;
-constexpr int kTmaStages = 8;
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-// bytes (a multiple of 16, both addresses 16-byte aligned) global -> shared by the copy engine,
-// counted against the mbarrier's transaction count when they have landed
-__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsigned bytes,
-                                              uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(smem_u32(dst)),
-      "l"(src), "r"(bytes), "r"(smem_u32(bar))
-      : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p))
-               : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p))
-               : "memory");
-}
-
-template <int HD>
-struct TmaRing {
-  // a row of K or V padded by 16 bytes: ldmatrix's 8 rows of 16 bytes then fall in 8 distinct
-  // bank groups (pitch 68 or 36 words: 4 banks apart) instead of one
-  static constexpr int kPitch = HD * 2 + 16;
-  static constexpr int kStageBytes = 2 * kPageSize * kPitch;  // K rows, then V rows
-  static constexpr int kBytes = kTmaStages * kStageBytes;
-  static constexpr unsigned kTx = 2u * kPageSize * HD * 2u;   // bytes landing per stage
-};
-
-template <int HD, int G, bool MQ>
-__global__ void __launch_bounds__(kTmaThreads)
-attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
-                       float* __restrict__ ws_ml, int32_t* __restrict__ counters,
-                       const half* __restrict__ qkv, half* __restrict__ k_cache,
-                       half* __restrict__ v_cache, const float* __restrict__ cos_table,
-                       const float* __restrict__ sin_table, const int32_t* __restrict__ page_table,
-                       int table_len, const int32_t* __restrict__ pos_ptr, int n_heads, int n_kv,
-                       int num_splits, int min_pps, float scale_log2) {
-  using Ring = TmaRing<HD>;
-  constexpr int NT = HD / 8;  // 8-dim tiles of the output row
-  static_assert(G <= 8, "one m16 tile holds the G query heads in rows 0..7");
-  static_assert(kTmaConsumers * G * HD * 4 <= Ring::kBytes, "warp partials alias the ring");
-  extern __shared__ __align__(128) unsigned char s_ring[];
-  __shared__ __align__(8) uint64_t s_full[kTmaStages], s_empty[kTmaStages];
-  __shared__ __align__(16) half s_qh[G][HD];
-  __shared__ __align__(16) half s_knew[HD];
-  __shared__ __align__(16) half s_vnew[HD];
-  __shared__ float s_wm[kTmaConsumers][G], s_wl[kTmaConsumers][G];
-  __shared__ int s_last;
-
-  const int kvh = blockIdx.x, split = blockIdx.y;
-  const int head0 = kvh * G;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  constexpr int half_d = HD / 2;
-  if constexpr (MQ) {  // this query's slices
-    const int qi = blockIdx.z;
-    qkv += (size_t)qi * (n_heads + 2 * n_kv) * HD;
-    out += (size_t)qi * n_heads * HD;
-    ws_acc += (size_t)qi * n_heads * num_splits * HD;
-    ws_ml += (size_t)qi * n_heads * num_splits * 2;
-    counters += (size_t)qi * n_kv;
-  }
-  // ---- before griddep_wait: only data written >= 2 launches back (as attn_decode_kernel) ----
-  const int p = pos_ptr[0] + (MQ ? (int)blockIdx.z : 0);
-  const int cap = table_len * kPageSize;
-  const int len = max(min(p + 1, cap), 1);
-  const int n_pages = (len + kPageSize - 1) / kPageSize;
-  const int pps = max((n_pages + num_splits - 1) / num_splits, min_pps);
-  const int n_active = (n_pages + pps - 1) / pps;
-  const int p_begin = split * pps;
-  if (p_begin >= n_pages) return;  // empty split: whole block, before any barrier or write
-  const int p_end = min(p_begin + pps, n_pages);
-  const int np = p_end - p_begin;
-  const int t_end = min(p_end * kPageSize, len);
-  const bool in_cache = p >= 0 && p < cap;
-  const int new_t = !MQ && in_cache && p >= p_begin * kPageSize && p < t_end ? p : -1;
-  const int p_tab = p < 0 ? 0 : (p < cap ? p : cap - 1);
-  const size_t slot_stride = (size_t)n_kv * HD;
-
-  if (tid == 0) {
-    for (int s = 0; s < kTmaStages; ++s) {
-      mbar_init(&s_full[s], 1);   // the producer's arrive (with the stage's transaction bytes)
-      mbar_init(&s_empty[s], 1);  // the consuming warp's arrive
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();  // the barriers are initialised before anyone uses them
-
-  const bool producer = warp == kTmaConsumers;
-  // The producer's page ids, 32 at a time in its lanes (lane l: page p_begin + w + l of window w),
-  // the next window loaded a window ahead: a page-table load per page, dependent and in the
-  // producer's serial loop, cost an L2 latency per page (the first GPU run: 40 us at 32768).
-  // Read before griddep_wait in the decode step (the table is written >= 2 launches back).
-  int win = 0, nxt = 0;
-  auto load_windows = [&] {
-    win = lane < np ? page_table[p_begin + lane] : 0;
-    nxt = 32 + lane < np ? page_table[p_begin + 32 + lane] : 0;
-  };
-  // page p_begin + i of this kv head (its id from the window) into stage i % kTmaStages: lane
-  // r < 16 copies K row r, lane 16 + r V row r (HD * 2 bytes each); lane 0 first arms the stage
-  // with the byte count. Every lane of the producer warp calls it (the window's shuffle).
-  auto issue_page = [&](int i) {
-    if (i > 0 && i % 32 == 0) {  // warp-uniform: the next window, and the one after it requested
-      win = nxt;
-      nxt = i + 32 + lane < np ? page_table[p_begin + i + 32 + lane] : 0;
-    }
-    const size_t page = (size_t)__shfl_sync(0xffffffffu, win, i & 31);
-    uint64_t* bar = &s_full[i % kTmaStages];
-    if (lane == 0) mbar_expect_tx(bar, Ring::kTx);
-    __syncwarp();
-    const int which = lane >> 4, row = lane & 15;
-    const half* src = (which ? v_cache : k_cache) + (page * kPageSize + row) * slot_stride +
-                      (size_t)kvh * HD;
-    unsigned char* dst = s_ring + (size_t)(i % kTmaStages) * Ring::kStageBytes +
-                         (which * kPageSize + row) * Ring::kPitch;
-    bulk_copy_g2s(dst, src, HD * 2, bar);
-  };
-  if constexpr (MQ) griddep_wait();  // the new positions' K/V come from the launch just before
-  if (producer) {  // warp-uniform; no block barrier inside
-    load_windows();
-    for (int i = 0; i < min(np, kTmaStages); ++i) issue_page(i);
-  }
-  // this thread's RoPE pairs of q: i = tid + k * kTmaThreads over G * HD/2 pairs
-  constexpr int kQPairs = (G * half_d + kTmaThreads - 1) / kTmaThreads;
-  float cq[kQPairs], sq[kQPairs];
+  for (int i = tid; i < G * HD; i += kDecThreads) {
+    const int g = i / HD, d = i % HD;
+    float M = kNegBig;
 #pragma unroll
-  for (int k = 0; k < kQPairs; ++k) {
-    const int d = (tid + k * kTmaThreads) % half_d;
-    cq[k] = cos_table[(size_t)p_tab * half_d + d];
-    sq[k] = sin_table[(size_t)p_tab * half_d + d];
-  }
-
-  // ---- after the wait: qkv (the GEMV just before), cache writes, ws, counters ----
-  if constexpr (!MQ) griddep_wait();
-  griddep_launch_dependents();
+    for (int w = 0; w < kDecWarps; ++w) M = fmaxf(M, s_wm[w][g]);
+    float o = 0.f, L = 0.f;
 #pragma unroll
-  for (int k = 0; k < kQPairs; ++k) {
-    const int i = tid + k * kTmaThreads;
-    if (i < G * half_d) {
-      const int g = i / half_d, d = i % half_d;
-      const half* x = qkv + (size_t)(head0 + g) * HD;
-      half lo, hi;  // q as rope_kv_write would store it; the scale is applied to the scores
-      rope_pair(__half2float(x[d]), __half2float(x[d + half_d]), cq[k], sq[k], lo, hi);
-      s_qh[g][d] = lo;
-      s_qh[g][d + half_d] = hi;
+    for (int w = 0; w < kDecWarps; ++w) {
+      const float f = exp2f(s_wm[w][g] - M);  // 0 for a warp that saw only masked tokens
+      o = fmaf(s_wacc[(w * G + g) * HD + d], f, o);
+      L = fmaf(s_wl[w][g], f, L);
+    }
+    const size_t sl = (size_t)(head0 + g) * num_splits + split;
+    ws_acc[sl * HD + d] = o;
+    if (d == 0) {
+      ws_ml[sl * 2] = M;
+      ws_ml[sl * 2 + 1] = L;
     }
   }
-  if (new_t >= 0) {  // block-uniform: this split holds pos, and pos is inside the table
-    const size_t slot = ((size_t)page_table[p / kPageSize] * kPageSize + p % kPageSize) *
-                            slot_stride + (size_t)kvh * HD;
-    const half* xk = qkv + (size_t)(n_heads + kvh) * HD;
-    const half* xv = qkv + (size_t)(n_heads + n_kv + kvh) * HD;
-    for (int d = tid; d < half_d; d += kTmaThreads) {
-      half lo, hi;
-      rope_pair(__half2float(xk[d]), __half2float(xk[d + half_d]),
-                cos_table[(size_t)p_tab * half_d + d], sin_table[(size_t)p_tab * half_d + d],
-                lo, hi);
-      k_cache[slot + d] = lo;
-      k_cache[slot + d + half_d] = hi;
-      s_knew[d] = lo;
-      s_knew[d + half_d] = hi;
-    }
-    for (int d = tid; d < HD; d += kTmaThreads) {
-      const half v = xv[d];
-      v_cache[slot + d] = v;
-      s_vnew[d] = v;
-    }
-  }
-  __syncthreads();  // s_qh, s_knew, s_vnew
 
-  // consumer state: lane (gid, tig) of the m16n8 fragments holds head row gid (< G counts),
-  // tokens / dims 2 tig, 2 tig + 1 of each 8-wide tile
-  const int gid = lane >> 2, tig = lane & 3;
-  float m_run = kNegBig, l_run = 0.f;  // l_run: this lane's share of the row sum (quad-summed)
-  float acc[NT][4];
-#pragma unroll
-  for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-
-  if (producer) {  // warp-uniform; mbarriers and __syncwarp only
-    for (int i = kTmaStages; i < np; ++i) {
-      mbar_wait(&s_empty[i % kTmaStages], ((i / kTmaStages) - 1) & 1);
-      issue_page(i);
-    }
-  } else if (warp < np) {  // warp-uniform; mbarriers and __syncwarp only
-    uint32_t qa[HD / 16][2];  // A fragments of the rotated q: rows gid < G, k = 16 kk + 2 tig (+8)
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      qa[kk][0] = gid < G ? *reinterpret_cast<const uint32_t*>(&s_qh[gid][kk * 16 + 2 * tig]) : 0u;
-      qa[kk][1] =
-          gid < G ? *reinterpret_cast<const uint32_t*>(&s_qh[gid][kk * 16 + 8 + 2 * tig]) : 0u;
-    }
-    // ldmatrix row addresses: lane l feeds row (l & 7) of matrix l >> 3
-    const int mi = lane >> 3, mr = lane & 7;
-    const int k_row = (mi >> 1) * 8 + mr, k_col = (mi & 1) * 8;  // K: tokens x dims
-    const int v_row = (mi & 1) * 8 + mr, v_col = (mi >> 1) * 8;  // V: tokens x dims, transposed
-    for (int i = warp; i < np; i += kTmaConsumers) {
-      const int s = i % kTmaStages;
-      mbar_wait(&s_full[s], (i / kTmaStages) & 1);
-      unsigned char* st = s_ring + (size_t)s * Ring::kStageBytes;
-      unsigned char* vst = st + kPageSize * Ring::kPitch;
-      const int t0 = (p_begin + i) * kPageSize;
-      const int n_valid = min(kPageSize, t_end - t0);  // >= 1
-      const bool fresh = new_t >= t0 && new_t < t0 + kPageSize;
-      const bool patch = fresh || n_valid < kPageSize;  // warp-uniform
-      if (patch) {
-        if (fresh) {
-          for (int c = lane; c < HD / 8; c += 32) {
-            *reinterpret_cast<uint4*>(st + (new_t - t0) * Ring::kPitch + c * 16) =
-                reinterpret_cast<const uint4*>(s_knew)[c];
-            *reinterpret_cast<uint4*>(vst + (new_t - t0) * Ring::kPitch + c * 16) =
-                reinterpret_cast<const uint4*>(s_vnew)[c];
-          }
-        }
-        for (int c = lane; c < (kPageSize - n_valid) * (HD / 8); c += 32)
-          *reinterpret_cast<uint4*>(vst + (n_valid + c / (HD / 8)) * Ring::kPitch +
-                                    (c % (HD / 8)) * 16) = make_uint4(0u, 0u, 0u, 0u);
-        __syncwarp();
-      }
-      // S = Q K^T: two n8 tiles of tokens (0-7, 8-15)
-      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-      for (int kk = 0; kk < HD / 16; ++kk) {
-        uint32_t b[4];
-        ldmatrix_x4(b, st + k_row * Ring::kPitch + (kk * 16 + k_col) * 2);
-        mma16816(sc[0], qa[kk][0], 0u, qa[kk][1], 0u, b[0], b[1]);
-        mma16816(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, b[2], b[3]);
-      }
-      // online softmax of row gid (base 2); tokens past the split's end score -inf
-      float x[2][2], mx = kNegBig;
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int r = 8 * j + 2 * tig + e;
-          x[j][e] = r < n_valid ? sc[j][e] * scale_log2 : -CUDART_INF_F;
-          mx = fmaxf(mx, x[j][e]);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mn = fmaxf(m_run, mx);  // finite
-      const float corr = exp2f(m_run - mn);
-      float pj[2][2], psum = 0.f;
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          pj[j][e] = exp2f(x[j][e] - mn);  // 0 for masked tokens
-          psum += pj[j][e];
-        }
-      l_run = fmaf(l_run, corr, psum);
-      m_run = mn;
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        acc[n][0] *= corr;
-        acc[n][1] *= corr;
-      }
-      // O += P V: P's accumulator layout is the A fragment's (rows gid, k = tokens 2 tig (+8))
-      const uint32_t pa0 = h2_bits(__floats2half2_rn(pj[0][0], pj[0][1]));
-      const uint32_t pa2 = h2_bits(__floats2half2_rn(pj[1][0], pj[1][1]));
-#pragma unroll
-      for (int dt = 0; dt < HD / 16; ++dt) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, vst + v_row * Ring::kPitch + (dt * 16 + v_col) * 2);
-        mma16816(acc[2 * dt], pa0, 0u, pa2, 0u, b[0], b[1]);
-        mma16816(acc[2 * dt + 1], pa0, 0u, pa2, 0u, b[2], b[3]);
-      }
-      __syncwarp();  // every lane's reads of the stage are done
-      if (lane == 0) {
-        // the stage's generic writes (the patch) are ordered before the copy engine's refill
-        if (patch) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        mbar_arrive(&s_empty[s]);
-      }
-    }
-  }
-  __syncthreads();  // every page has landed and been read: the ring is free for the partials
-
-  if (!producer) {  // warp-uniform; shuffles only
-    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
-    float* s_wacc = reinterpret_cast<float*>(s_ring);  // [warp][g][HD]
-    if (gid < G) {
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        s_wacc[(warp * G + gid) * HD + 8 * n + 2 * tig] = acc[n][0];
-        s_wacc[(warp * G + gid) * HD + 8 * n + 2 * tig + 1] = acc[n][1];
-      }
-      if (tig == 0) {
-        s_wm[warp][gid] = m_run;
-        s_wl[warp][gid] = l_run;
-      }
-    }
-  }
+  // ---- the last active split block of this kv head merges ----
+  __threadfence();  // this thread's ws writes are visible device-wide before the count
   __syncthreads();
-  finish_split<HD, G, kTmaConsumers, kTmaThreads, Ring::kBytes / (8 * G)>(
-      out, ws_acc, ws_ml, counters, &s_wm[0][0], &s_wl[0][0], reinterpret_cast<float*>(s_ring),
-      reinterpret_cast<float*>(s_ring), &s_last, kvh, split, num_splits, n_active, head0);
+  if (tid == 0) s_last = atomicAdd(&counters[kvh], 1) == n_active - 1;
+  __syncthreads();
+  if (!s_last) return;  // block-uniform
+  __threadfence();      // acquire side: other blocks' ws writes are read after the count
+  // Thread t owns 4 dims (float4) of heads g = t / TPH + k * HPB. Splits come in chunks whose
+  // (m, l) are staged in shared memory by one parallel load (a serial loop over L2 loads was
+  // ~0.4 us per split); the acc loads of 16 splits are in flight at once. Per element this is
+  // the merge formula above, in split order (chunks > 1 only past kMergeChunk splits, then the
+  // running sum is rescaled once per chunk).
+  constexpr int TPH = HD / 4, HPB = kDecThreads / TPH, HPT = (G + HPB - 1) / HPB;
+  constexpr int kMergeChunk = kRingBytes / (8 * G);
+  float* s_mm = reinterpret_cast<float*>(s_raw);  // [G][kMergeChunk] maxima, then sums
+  float* s_ll = s_mm + G * kMergeChunk;
+  const int d4 = (tid % TPH) * 4, gq = tid / TPH;
+  float M[HPT], L[HPT];
+  float4 o[HPT];
+#pragma unroll
+  for (int k = 0; k < HPT; ++k) {
+    M[k] = kNegBig;
+    L[k] = 0.f;
+    o[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  for (int c0 = 0; c0 < n_active; c0 += kMergeChunk) {
+    const int cn = min(kMergeChunk, n_active - c0);
+    __syncthreads();  // the ring / the previous chunk's (m, l) are no longer read
+    for (int i = tid; i < G * cn; i += kDecThreads) {
+      const int g = i / cn, sp = i % cn;
+      const float2 ml = __ldcg(reinterpret_cast<const float2*>(
+          ws_ml + ((size_t)(head0 + g) * num_splits + c0 + sp) * 2));
+      s_mm[g * kMergeChunk + sp] = ml.x;
+      s_ll[g * kMergeChunk + sp] = ml.y;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < HPT; ++k) {
+      const int g = gq + k * HPB;
+      if (g < G) {  // warp-uniform (a warp covers whole heads); no barrier or shuffle inside
+        float mc = M[k];
+#pragma unroll 8
+        for (int sp = 0; sp < cn; ++sp) mc = fmaxf(mc, s_mm[g * kMergeChunk + sp]);
+        const float f0 = exp2f(M[k] - mc);  // 0 on the first chunk (o, L are 0 there)
+        L[k] *= f0;
+        o[k].x *= f0; o[k].y *= f0; o[k].z *= f0; o[k].w *= f0;
+        M[k] = mc;
+        const float4* ac = reinterpret_cast<const float4*>(
+            ws_acc + ((size_t)(head0 + g) * num_splits + c0) * HD + d4);
+#pragma unroll 16
+        for (int sp = 0; sp < cn; ++sp) {  // split order: deterministic
+          const float f = exp2f(s_mm[g * kMergeChunk + sp] - mc);
+          const float4 a = __ldcg(ac + (size_t)sp * (HD / 4));
+          L[k] = fmaf(s_ll[g * kMergeChunk + sp], f, L[k]);
+          o[k].x = fmaf(a.x, f, o[k].x);
+          o[k].y = fmaf(a.y, f, o[k].y);
+          o[k].z = fmaf(a.z, f, o[k].z);
+          o[k].w = fmaf(a.w, f, o[k].w);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < HPT; ++k) {
+    const int g = gq + k * HPB;
+    if (g < G) {
+      half2* dst = reinterpret_cast<half2*>(out + (size_t)(head0 + g) * HD + d4);
+      dst[0] = __floats2half2_rn(o[k].x / L[k], o[k].y / L[k]);
+      dst[1] = __floats2half2_rn(o[k].z / L[k], o[k].w / L[k]);
+    }
+  }
+  if (tid == 0) counters[kvh] = 0;  // every active block of this kv head has counted
 }
 
 namespace {
@@ -764,10 +398,7 @@ cudaError_t launch_attention(const char* fn, int T, half* out, float* ws_acc, fl
                              const float* cos_table, const float* sin_table,
                              const int32_t* page_table, int table_len, const int32_t* pos,
                              int n_heads, int n_kv, int head_dim, int num_splits, int min_pps,
-                             int kernel, float scale, cudaStream_t stream) {
-  if (kernel != kAttnCpAsync && kernel != kAttnTma)
-    return nq_fail(cudaErrorInvalidValue, "%s: kernel=%d (%d: cp.async split-K, %d: TMA "
-                   "warp-specialized)", fn, kernel, kAttnCpAsync, kAttnTma);
+                             float scale, cudaStream_t stream) {
   if (T < 1 || T > kMaxVerifyQueries)
     return nq_fail(cudaErrorInvalidValue, "%s: T=%d queries, 1..%d", fn, T, kMaxVerifyQueries);
   if (n_kv <= 0 || n_heads % n_kv || n_heads / n_kv > kMaxGqa || num_splits <= 0 ||
@@ -788,27 +419,12 @@ cudaError_t launch_attention(const char* fn, int T, half* out, float* ws_acc, fl
 #define NQ_DECODE_CASE(HD, G)                                                                    \
   case G:                                                                                      \
     launched = true;                                                                           \
-    if (kernel == kAttnTma) {                                                                  \
-      static const cudaError_t attr =                                                          \
-          set_max_smem(attn_decode_tma_kernel<HD, G, MQ>, TmaRing<HD>::kBytes);                \
-      if (attr != cudaSuccess)                                                                 \
-        return smem_refused(attr, MQ ? "attention_decode_cached<" #HD ", " #G ", tma>"         \
-                                     : "attention_decode<" #HD ", " #G ", tma>",               \
-                            TmaRing<HD>::kBytes);                                              \
-      e = launch_pdl(MQ ? "attention_decode_cached<" #HD ", " #G ", tma>"                     \
-                        : "attention_decode<" #HD ", " #G ", tma>",                            \
-                     attn_decode_tma_kernel<HD, G, MQ>, grid, dim3(kTmaThreads),               \
-                     TmaRing<HD>::kBytes, stream, out, ws_acc, ws_ml, counters, qkv, k_cache,  \
-                     v_cache, cos_table, sin_table, page_table, table_len, pos, n_heads, n_kv,  \
-                     num_splits, min_pps, scale_log2);                                         \
-    } else {                                                                                   \
-      e = launch_pdl(MQ ? "attention_decode_cached<" #HD ", " #G ">"                          \
-                        : "attention_decode<" #HD ", " #G ">",                                 \
-                     attn_decode_kernel<HD, G, MQ>, grid, dim3(kDecThreads), 0, stream, out,   \
-                     ws_acc, ws_ml, counters, qkv, k_cache, v_cache, cos_table, sin_table,     \
-                     page_table, table_len, pos, n_heads, n_kv, num_splits, min_pps,           \
-                     scale_log2);                                                              \
-    }                                                                                          \
+    e = launch_pdl(MQ ? "attention_decode_cached<" #HD ", " #G ">"                            \
+                      : "attention_decode<" #HD ", " #G ">",                                   \
+                   attn_decode_kernel<HD, G, MQ>, grid,                                        \
+                   dim3(kDecThreads), 0, stream, out, ws_acc, ws_ml, counters, qkv, k_cache,    \
+                   v_cache, cos_table, sin_table, page_table, table_len, pos, n_heads, n_kv,    \
+                   num_splits, min_pps, scale_log2);                                           \
     break;
 #define NQ_DECODE_HD(HD)                                                                         \
   switch (n_heads / n_kv) {                                                                    \
@@ -829,8 +445,8 @@ cudaError_t launch_attention(const char* fn, int T, half* out, float* ws_acc, fl
   if (e == cudaSuccess) return e;
   return nq_fail(e,
                  "%s: T=%d n_heads=%d n_kv=%d head_dim=%d num_splits=%d table_len=%d "
-                 "min_pps=%d kernel=%d: %s",
-                 fn, T, n_heads, n_kv, head_dim, num_splits, table_len, min_pps, kernel,
+                 "min_pps=%d: %s",
+                 fn, T, n_heads, n_kv, head_dim, num_splits, table_len, min_pps,
                  last_error_message());
 }
 
@@ -841,11 +457,10 @@ cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* co
                              const float* cos_table, const float* sin_table,
                              const int32_t* page_table, int table_len, const int32_t* pos,
                              int n_heads, int n_kv, int head_dim, int num_splits, int min_pps,
-                             int kernel, float scale, cudaStream_t stream) {
+                             float scale, cudaStream_t stream) {
   return launch_attention<false>("attention_decode", 1, out, ws_acc, ws_ml, counters, qkv,
                                  k_cache, v_cache, cos_table, sin_table, page_table, table_len,
-                                 pos, n_heads, n_kv, head_dim, num_splits, min_pps, kernel, scale,
-                                 stream);
+                                 pos, n_heads, n_kv, head_dim, num_splits, min_pps, scale, stream);
 }
 
 cudaError_t attention_decode_cached(half* out, float* ws_acc, float* ws_ml, int32_t* counters,
@@ -853,12 +468,12 @@ cudaError_t attention_decode_cached(half* out, float* ws_acc, float* ws_ml, int3
                                     const float* cos_table, const float* sin_table,
                                     const int32_t* page_table, int table_len, const int32_t* pos,
                                     int T, int n_heads, int n_kv, int head_dim, int num_splits,
-                                    int min_pps, int kernel, float scale, cudaStream_t stream) {
+                                    int min_pps, float scale, cudaStream_t stream) {
   // (the kernel writes the caches only when !MQ)
   return launch_attention<true>("attention_decode_cached", T, out, ws_acc, ws_ml, counters, qkv,
                                 const_cast<half*>(k_cache), const_cast<half*>(v_cache),
                                 cos_table, sin_table, page_table, table_len, pos, n_heads, n_kv,
-                                head_dim, num_splits, min_pps, kernel, scale, stream);
+                                head_dim, num_splits, min_pps, scale, stream);
 }
 
 }  // namespace nanoqwen
