@@ -62,41 +62,36 @@ def test_flags_reject_anything_else(env, name, field, default, value):
     assert "use 0 or 1" in msg and f"default {int(default)}" in msg
 
 
-@pytest.mark.parametrize("value,expected", [("1", 1), ("2", 2), ("3", 3), ("64", 64),
-                                            ("007", 7), ("8192", 8192), ("08192", 8192)])
-def test_min_pps_accepts_1_to_8192(env, value, expected):
-    env(ATTN_MIN_PPS, value)
-    assert read_switches().attn_min_pps == expected
+# the whole-number switches: (variable, field, lowest, highest, default, accepted values with what
+# they read as, rejected values)
+COUNTS = [
+    (ATTN_MIN_PPS, "attn_min_pps", 1, ATTN_MIN_PPS_MAX, ATTN_MIN_PPS_DEFAULT,
+     [("1", 1), ("2", 2), ("3", 3), ("64", 64), ("007", 7), ("8192", 8192), ("08192", 8192)],
+     ["0", "00", "8193", "9999", "10000", "99999999999", "-1", "+3", " 3", "3 ", "3\n", "3.0",
+      "3.5", "1e3", "0x10", "1_0", "abc", "٣", "３", "9" * 5000]),
+    (INT4_MAX_M, "int4_max_m", 0, INT4_MAX_M_MAX, INT4_MAX_M_DEFAULT,
+     [("0", 0), ("00", 0), ("1", 1), ("64", 64), ("0128", 128), ("2048", 2048)],
+     ["2049", "4096", "-1", "+3", " 3", "3 ", "3.0", "1e3", "0x10", "1_0", "abc", "٣",
+      "9" * 5000, "0" * 5000 + "2049"]),
+]
 
 
-@pytest.mark.parametrize("value", ["0", "00", "8193", "9999", "10000", "99999999999", "-1",
-                                   "+3", " 3", "3 ", "3\n", "3.0", "3.5", "1e3", "0x10", "1_0",
-                                   "abc", "٣", "３", "9" * 5000])
-def test_min_pps_rejects_anything_else(env, value):
-    env(ATTN_MIN_PPS, value)
+@pytest.mark.parametrize("name,field,value,expected",
+                         [(c[0], c[1], v, e) for c in COUNTS for v, e in c[5]])
+def test_counts_accept_their_range(env, name, field, value, expected):
+    env(name, value)
+    assert getattr(read_switches(), field) == expected
+
+
+@pytest.mark.parametrize("name,lo,hi,default,value",
+                         [(*c[0:1], *c[2:5], v) for c in COUNTS for v in c[6]])
+def test_counts_reject_anything_else(env, name, lo, hi, default, value):
+    env(name, value)
     with pytest.raises(SwitchError) as ei:
         read_switches()
     msg = str(ei.value)
-    assert ATTN_MIN_PPS in msg and repr(value) in msg
-    assert f"from 1 to {ATTN_MIN_PPS_MAX}" in msg and f"default {ATTN_MIN_PPS_DEFAULT}" in msg
-
-
-@pytest.mark.parametrize("value,expected", [("0", 0), ("00", 0), ("1", 1), ("64", 64),
-                                            ("0128", 128), ("2048", 2048)])
-def test_int4_max_m_accepts_0_to_the_prefill_chunk(env, value, expected):
-    env(INT4_MAX_M, value)
-    assert read_switches().int4_max_m == expected
-
-
-@pytest.mark.parametrize("value", ["2049", "4096", "-1", "+3", " 3", "3 ", "3.0", "1e3", "0x10",
-                                   "1_0", "abc", "٣", "9" * 5000, "0" * 5000 + "2049"])
-def test_int4_max_m_rejects_anything_else(env, value):
-    env(INT4_MAX_M, value)
-    with pytest.raises(SwitchError) as ei:
-        read_switches()
-    msg = str(ei.value)
-    assert INT4_MAX_M in msg and repr(value) in msg
-    assert f"from 0 to {INT4_MAX_M_MAX}" in msg and f"default {INT4_MAX_M_DEFAULT}" in msg
+    assert name in msg and repr(value) in msg
+    assert f"from {lo} to {hi}" in msg and f"default {default}" in msg
 
 
 def test_int4_max_m_bound_is_the_prefill_chunk():
