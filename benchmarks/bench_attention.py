@@ -6,6 +6,10 @@ engine takes from NANOQWEN_ATTN_MIN_PPS), and with --pair the unfused pair it re
 benchmarks/lab/, built on first use, ~25 s).
 
     python benchmarks/bench_attention.py [--heads 28 --kv-heads 4 --head-dim 128] [--pair]
+        [--sweep S:MIN_PPS[:KERNEL],...] [--json FILE]
+
+KERNEL is the op's page loop (0 the cp.async split-K kernel, 1 the TMA warp-specialized one on
+tensor cores; csrc/kernels.h). --json writes every row with the device, the commit and the date.
 
 Times a CUDA graph of 50 back-to-back calls, median of 7 replays (us per call), and reports the
 K/V bytes read per call against the measured 4276 GB/s copy bandwidth. Each call reads a
@@ -17,7 +21,10 @@ previous one's tail; in the engine the kernel before attention_decode is the qkv
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
+import subprocess
 import statistics
 import sys
 from pathlib import Path
@@ -61,8 +68,10 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--contexts", type=str, default=",".join(map(str, CONTEXTS)))
-    ap.add_argument("--sweep", type=str, default="66:1,66:2,66:4,33:2,132:1,132:2",
-                    help="fused variants as num_splits:min_pps")
+    ap.add_argument("--sweep", type=str, default="66:2:0,66:2:1,66:1:0,66:1:1,66:4:1,132:2:1",
+                    help="fused variants as num_splits:min_pps[:kernel] (kernel 0 cp.async, "
+                         "1 TMA; default 0)")
+    ap.add_argument("--json", type=str, default=None, help="write the rows to this file")
     ap.add_argument("--pair", action="store_true",
                     help="also time the unfused pair (builds the lab library)")
     a = ap.parse_args()
@@ -75,8 +84,9 @@ def main() -> None:
     nh, nkv, d = a.heads, a.kv_heads, a.head_dim
     ops = torch.ops.nanoqwen
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    variants = [tuple(int(x) for x in v.split(":")) for v in a.sweep.split(",")]
-    rows = []
+    variants = [tuple(int(x) for x in (v + ":0").split(":")[:3]) if v.count(":") == 1
+                else tuple(int(x) for x in v.split(":")) for v in a.sweep.split(",")]
+    rows, records = [], []
     for L in (int(x) for x in a.contexts.split(",")):
         pages = -(-L // 16)
         k = torch.randn(a.layers, pages, 16, nkv, d, device="cuda").half()
@@ -101,24 +111,40 @@ def main() -> None:
         mb = 2 * L * nkv * d * 2 / 1e6
         res = {"pair": (S_eng, time_graph(pair))} if lab is not None else {}
         counters = torch.zeros(nkv, dtype=torch.int32, device="cuda")
-        for S, mp in variants:
+        for S, mp, kern in variants:
             S = max(1, min(pages, S))
             wsf = torch.empty(nh, S, d, device="cuda"), torch.empty(nh, S, 2, device="cuda")
-            # min_pps is a launch argument, so each variant's graph captures its own
-            res[f"fused S={S} min_pps={mp}"] = (S, time_graph(
+            # min_pps and kernel are launch arguments, so each variant's graph captures its own
+            name = f"{'tma' if kern == 1 else 'cp.async'} S={S} min_pps={mp}"
+            res[name] = (S, time_graph(
                 lambda i: ops.attention_decode(out, *wsf, counters, qkv, k[i % a.layers],
-                                               v[i % a.layers], cos, sin, table, pos, mp)))
+                                               v[i % a.layers], cos, sin, table, pos, mp,
+                                               kern)))
         assert int(counters.abs().sum()) == 0
         for name, (S, us) in res.items():
             gbs = mb * 1e6 / (us * 1e-6) / 1e9
             rows.append(f"| {L} | {name} | {us:.2f} | {mb:.2f} | {gbs:.0f} | "
                         f"{100 * gbs / COPY_GBS:.1f} |")
+            records.append({"context": L, "variant": name, "num_splits": S, "us_per_call": us,
+                            "kv_mb": mb, "gb_s": gbs})
         print("\n".join(rows[-len(res):]), flush=True)
         del k, v
     print(f"\nnh={nh} nkv={nkv} d={d} SMs={sms} PDL={os.environ.get('NANOQWEN_PDL', '1')}")
     print("| context | variant | us/call | KV MB | GB/s | % of 4276 |")
     print("| --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))
+    if a.json:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, cwd=Path(__file__).resolve().parent).stdout.strip()
+        except OSError:
+            commit = ""
+        Path(a.json).write_text(json.dumps({
+            "bench": "bench_attention", "date": datetime.date.today().isoformat(),
+            "device": torch.cuda.get_device_name(0), "commit": commit or None,
+            "shape": {"heads": nh, "kv_heads": nkv, "head_dim": d, "layers": a.layers},
+            "pdl": os.environ.get("NANOQWEN_PDL", "1"), "method": "CUDA graph of 50 calls, each on "
+            "another layer's cache, median of 7 replays", "rows": records}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,11 @@
 //     merges all active splits of kv head h in split order (M = max m_s, L = sum l_s 2^(m_s-M),
 //     out = sum acc_s 2^(m_s-M) / L: the result does not depend on which block finishes last)
 //     and resets counters[h] to 0.
+#include <cuda.h>  // CUtensorMap and its enums (the encoder comes through the runtime)
+#include <cudaTypedefs.h>
 #include <math_constants.h>
+
+#include <mutex>
 
 #include "common.cuh"
 #include "kernels.h"
@@ -53,6 +57,113 @@ __device__ __forceinline__ void half8_to_float(float (&f)[8], uint4 u) {
     f[2 * i] = t.x;
     f[2 * i + 1] = t.y;
   }
+}
+
+// The end of a split block, shared by both kernels: the per-warp partials (s_wm / s_wl [NW][G],
+// s_wacc [NW][G][HD], in shared memory, published by a barrier every thread passed) merged into
+// the split's (m, l, acc) in ws; then the last active split block of kv head kvh merges all
+// active splits into out, in split order, and zeroes counters[kvh]. s_merge: kMergeChunk * 2 * G
+// floats of scratch that may alias s_wacc (it is written only after s_wacc's last read and a
+// barrier). Called by all NT threads, outside any warp-dependent branch.
+template <int HD, int G, int NW, int NT, int kMergeChunk>
+__device__ __forceinline__ void finish_split(half* __restrict__ out, float* __restrict__ ws_acc,
+                                             float* __restrict__ ws_ml, int32_t* counters,
+                                             const float* s_wm, const float* s_wl,
+                                             const float* s_wacc, float* s_merge, int* s_last,
+                                             int kvh, int split, int num_splits, int n_active,
+                                             int head0) {
+  const int tid = threadIdx.x;
+  for (int i = tid; i < G * HD; i += NT) {
+    const int g = i / HD, d = i % HD;
+    float M = kNegBig;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, s_wm[w * G + g]);
+    float o = 0.f, L = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float f = exp2f(s_wm[w * G + g] - M);  // 0 for a warp that saw only masked tokens
+      o = fmaf(s_wacc[(w * G + g) * HD + d], f, o);
+      L = fmaf(s_wl[w * G + g], f, L);
+    }
+    const size_t sl = (size_t)(head0 + g) * num_splits + split;
+    ws_acc[sl * HD + d] = o;
+    if (d == 0) {
+      ws_ml[sl * 2] = M;
+      ws_ml[sl * 2 + 1] = L;
+    }
+  }
+
+  // ---- the last active split block of this kv head merges ----
+  __threadfence();  // this thread's ws writes are visible device-wide before the count
+  __syncthreads();
+  if (tid == 0) *s_last = atomicAdd(&counters[kvh], 1) == n_active - 1;
+  __syncthreads();
+  if (!*s_last) return;  // block-uniform
+  __threadfence();      // acquire side: other blocks' ws writes are read after the count
+  // Thread t owns 4 dims (float4) of heads g = t / TPH + k * HPB. Splits come in chunks whose
+  // (m, l) are staged in shared memory by one parallel load (a serial loop over L2 loads was
+  // ~0.4 us per split); the acc loads of 16 splits are in flight at once. Per element this is
+  // the merge formula above, in split order (chunks > 1 only past kMergeChunk splits, then the
+  // running sum is rescaled once per chunk).
+  constexpr int TPH = HD / 4, HPB = NT / TPH, HPT = (G + HPB - 1) / HPB;
+  float* s_mm = s_merge;  // [G][kMergeChunk] maxima, then sums
+  float* s_ll = s_mm + G * kMergeChunk;
+  const int d4 = (tid % TPH) * 4, gq = tid / TPH;
+  float M[HPT], L[HPT];
+  float4 o[HPT];
+#pragma unroll
+  for (int k = 0; k < HPT; ++k) {
+    M[k] = kNegBig;
+    L[k] = 0.f;
+    o[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  for (int c0 = 0; c0 < n_active; c0 += kMergeChunk) {
+    const int cn = min(kMergeChunk, n_active - c0);
+    __syncthreads();  // the ring / the previous chunk's (m, l) are no longer read
+    for (int i = tid; i < G * cn; i += NT) {
+      const int g = i / cn, sp = i % cn;
+      const float2 ml = __ldcg(reinterpret_cast<const float2*>(
+          ws_ml + ((size_t)(head0 + g) * num_splits + c0 + sp) * 2));
+      s_mm[g * kMergeChunk + sp] = ml.x;
+      s_ll[g * kMergeChunk + sp] = ml.y;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < HPT; ++k) {
+      const int g = gq + k * HPB;
+      if (g < G) {  // warp-uniform (a warp covers whole heads); no barrier or shuffle inside
+        float mc = M[k];
+#pragma unroll 8
+        for (int sp = 0; sp < cn; ++sp) mc = fmaxf(mc, s_mm[g * kMergeChunk + sp]);
+        const float f0 = exp2f(M[k] - mc);  // 0 on the first chunk (o, L are 0 there)
+        L[k] *= f0;
+        o[k].x *= f0; o[k].y *= f0; o[k].z *= f0; o[k].w *= f0;
+        M[k] = mc;
+        const float4* ac = reinterpret_cast<const float4*>(
+            ws_acc + ((size_t)(head0 + g) * num_splits + c0) * HD + d4);
+#pragma unroll 16
+        for (int sp = 0; sp < cn; ++sp) {  // split order: deterministic
+          const float f = exp2f(s_mm[g * kMergeChunk + sp] - mc);
+          const float4 a = __ldcg(ac + (size_t)sp * (HD / 4));
+          L[k] = fmaf(s_ll[g * kMergeChunk + sp], f, L[k]);
+          o[k].x = fmaf(a.x, f, o[k].x);
+          o[k].y = fmaf(a.y, f, o[k].y);
+          o[k].z = fmaf(a.z, f, o[k].z);
+          o[k].w = fmaf(a.w, f, o[k].w);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < HPT; ++k) {
+    const int g = gq + k * HPB;
+    if (g < G) {
+      half2* dst = reinterpret_cast<half2*>(out + (size_t)(head0 + g) * HD + d4);
+      dst[0] = __floats2half2_rn(o[k].x / L[k], o[k].y / L[k]);
+      dst[1] = __floats2half2_rn(o[k].z / L[k], o[k].w / L[k]);
+    }
+  }
+  if (tid == 0) counters[kvh] = 0;  // every active block of this kv head has counted
 }
 
 // MQ (the verify step, attention_decode_cached): blockIdx.z = query i at position pos + i, its
@@ -296,101 +407,445 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
     }
   }
   __syncthreads();
-  for (int i = tid; i < G * HD; i += kDecThreads) {
-    const int g = i / HD, d = i % HD;
-    float M = kNegBig;
-#pragma unroll
-    for (int w = 0; w < kDecWarps; ++w) M = fmaxf(M, s_wm[w][g]);
-    float o = 0.f, L = 0.f;
-#pragma unroll
-    for (int w = 0; w < kDecWarps; ++w) {
-      const float f = exp2f(s_wm[w][g] - M);  // 0 for a warp that saw only masked tokens
-      o = fmaf(s_wacc[(w * G + g) * HD + d], f, o);
-      L = fmaf(s_wl[w][g], f, L);
+  finish_split<HD, G, kDecWarps, kDecThreads, kRingBytes / (8 * G)>(
+      out, ws_acc, ws_ml, counters, &s_wm[0][0], &s_wl[0][0], s_wacc,
+      reinterpret_cast<float*>(s_raw), &s_last, kvh, split, num_splits, n_active, head0);
+}
+
+// ---- the warp-specialized kernel: TMA bulk copies into an mbarrier ring, tensor-core math ------
+// Same grid, splits, prologue (pos, pages, RoPE of q, the fresh k/v of pos) and end
+// (finish_split) as attn_decode_kernel; the page loop differs. Warp kTmaConsumers (the producer)
+// copies each page's 16 K rows and 16 V rows with cp.async.bulk (one row per lane, completing on
+// the stage's `full` mbarrier with a transaction count) into a kTmaStages-deep ring, refilling a
+// stage once its consumer has arrived on the stage's `empty` mbarrier. Consumer warp w takes the
+// split's pages w, w + kTmaConsumers, ...: S = Q K^T by mma.sync m16n8k16 (A = the G rotated
+// query heads as rows, rows G..15 zero; B = 8 tokens of K by ldmatrix), an online softmax in base
+// 2 per head row (fp32), then O += P V (A = P rounded to fp16, the accumulator layout of S reused
+// as the A fragment; B = V by ldmatrix.trans). Each consumer keeps its own (m, l, acc), merged
+// across warps in finish_split. The page holding pos gets its fresh k/v row, and a partial last
+// page zeroes its V rows past the end, written by the consuming warp into its stage before it
+// reads it (so 0 * garbage never reaches the sums; masked scores are -inf by select).
+// Barriers: the block barriers all sit outside the role branches; inside them only the mbarriers
+// and __syncwarp order the warps (the seed's lesson: a block barrier in a warp-specialized branch
+// is undefined behaviour).
+constexpr int kTmaConsumers = 4;
+constexpr int kTmaThreads = (kTmaConsumers + 1) * 32;
+constexpr int kTmaStages = 8;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+// One box of the tensor map (coordinates innermost first) global -> shared by the copy engine,
+// counted against the mbarrier's transaction count when it has landed. The descriptor form, not
+// the raw-address cp.async.bulk: 4 requests a page instead of 32 row copies, the 128-byte
+// swizzle in shared memory, and compute-sanitizer's racecheck does not attribute the write to
+// the issuing thread (it reports every other warp's read of a raw bulk copy's buffer as a
+// hazard: RESULTS.md, session 19)
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+      "[%1, {%2, %3, %4}], [%5];" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
+      : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p))
+               : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p))
+               : "memory");
+}
+
+// A stage: K then V of one page of one kv head, each as HD/64 boxes of 16 tokens x 64 dims (128
+// bytes a token), swizzled by the copy engine (CU_TENSOR_MAP_SWIZZLE_128B): the 16-byte chunk c
+// of token row r lies at chunk c ^ (r & 7), so ldmatrix's 8 rows at one logical chunk fall in 8
+// bank groups. The pattern is a function of the address bits, so the ring starts 1024-aligned.
+template <int HD>
+struct TmaRing {
+  static constexpr int kBox = kPageSize * 128;          // 16 tokens x 64 dims of fp16
+  static constexpr int kHalfBytes = (HD / 64) * kBox;   // K (or V) of the page
+  static constexpr int kStageBytes = 2 * kHalfBytes;
+  static constexpr int kBytes = kTmaStages * kStageBytes;
+  static constexpr int kSmem = kBytes + 1024;           // + the alignment slack
+  static constexpr unsigned kTx = 2u * kPageSize * HD * 2u;   // bytes landing per stage
+  // byte offset of token row r, logical 16-byte chunk q (8 fp16 dims: q * 8 .. q * 8 + 7) in a
+  // K or V half of a stage
+  __device__ static __forceinline__ int at(int r, int q) {
+    return (q >> 3) * kBox + r * 128 + (((q & 7) ^ (r & 7)) << 4);
+  }
+};
+
+template <int HD, int G, bool MQ>
+__global__ void __launch_bounds__(kTmaThreads)
+attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
+                       float* __restrict__ ws_ml, int32_t* __restrict__ counters,
+                       const half* __restrict__ qkv, half* __restrict__ k_cache,
+                       half* __restrict__ v_cache, const float* __restrict__ cos_table,
+                       const float* __restrict__ sin_table, const int32_t* __restrict__ page_table,
+                       int table_len, const int32_t* __restrict__ pos_ptr, int n_heads, int n_kv,
+                       int num_splits, int min_pps, float scale_log2,
+                       const __grid_constant__ CUtensorMap tm_k,
+                       const __grid_constant__ CUtensorMap tm_v) {
+  using Ring = TmaRing<HD>;
+  constexpr int NT = HD / 8;  // 8-dim tiles of the output row
+  static_assert(G <= 8, "one m16 tile holds the G query heads in rows 0..7");
+  static_assert(kTmaConsumers * G * HD * 4 <= Ring::kBytes, "warp partials alias the ring");
+  extern __shared__ __align__(128) unsigned char s_dyn[];
+  unsigned char* const s_ring = s_dyn + ((1024u - (smem_u32(s_dyn) & 1023u)) & 1023u);
+  __shared__ __align__(8) uint64_t s_full[kTmaStages], s_empty[kTmaStages];
+  __shared__ __align__(16) half s_qh[G][HD];
+  __shared__ __align__(16) half s_knew[HD];
+  __shared__ __align__(16) half s_vnew[HD];
+  __shared__ float s_wm[kTmaConsumers][G], s_wl[kTmaConsumers][G];
+  __shared__ int s_last;
+
+  const int kvh = blockIdx.x, split = blockIdx.y;
+  const int head0 = kvh * G;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  constexpr int half_d = HD / 2;
+  if constexpr (MQ) {  // this query's slices
+    const int qi = blockIdx.z;
+    qkv += (size_t)qi * (n_heads + 2 * n_kv) * HD;
+    out += (size_t)qi * n_heads * HD;
+    ws_acc += (size_t)qi * n_heads * num_splits * HD;
+    ws_ml += (size_t)qi * n_heads * num_splits * 2;
+    counters += (size_t)qi * n_kv;
+  }
+  // ---- before griddep_wait: only data written >= 2 launches back (as attn_decode_kernel) ----
+  const int p = pos_ptr[0] + (MQ ? (int)blockIdx.z : 0);
+  const int cap = table_len * kPageSize;
+  const int len = max(min(p + 1, cap), 1);
+  const int n_pages = (len + kPageSize - 1) / kPageSize;
+  const int pps = max((n_pages + num_splits - 1) / num_splits, min_pps);
+  const int n_active = (n_pages + pps - 1) / pps;
+  const int p_begin = split * pps;
+  if (p_begin >= n_pages) return;  // empty split: whole block, before any barrier or write
+  const int p_end = min(p_begin + pps, n_pages);
+  const int np = p_end - p_begin;
+  const int t_end = min(p_end * kPageSize, len);
+  const bool in_cache = p >= 0 && p < cap;
+  const int new_t = !MQ && in_cache && p >= p_begin * kPageSize && p < t_end ? p : -1;
+  const int p_tab = p < 0 ? 0 : (p < cap ? p : cap - 1);
+  const size_t slot_stride = (size_t)n_kv * HD;
+
+  if (tid == 0) {
+    for (int s = 0; s < kTmaStages; ++s) {
+      mbar_init(&s_full[s], 1);   // the producer's arrive (with the stage's transaction bytes)
+      mbar_init(&s_empty[s], 1);  // the consuming warp's arrive
     }
-    const size_t sl = (size_t)(head0 + g) * num_splits + split;
-    ws_acc[sl * HD + d] = o;
-    if (d == 0) {
-      ws_ml[sl * 2] = M;
-      ws_ml[sl * 2 + 1] = L;
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();  // the barriers are initialised before anyone uses them
+
+  const bool producer = warp == kTmaConsumers;
+  // The producer's page ids, 32 at a time in its lanes (lane l: page p_begin + w + l of window w),
+  // the next window loaded a window ahead: a page-table load per page, dependent and in the
+  // producer's serial loop, cost an L2 latency per page (the first GPU run: 40 us at 32768).
+  // Read before griddep_wait in the decode step (the table is written >= 2 launches back).
+  int win = 0, nxt = 0;
+  auto load_windows = [&] {
+    win = lane < np ? page_table[p_begin + lane] : 0;
+    nxt = 32 + lane < np ? page_table[p_begin + 32 + lane] : 0;
+  };
+  // page p_begin + i of this kv head (its id from the window) into stage i % kTmaStages: lane 0
+  // arms the stage with the byte count and requests the HD/64 boxes of K and of V. Every lane
+  // of the producer warp calls it (the window's shuffle).
+  auto issue_page = [&](int i) {
+    if (i > 0 && i % 32 == 0) {  // warp-uniform: the next window, and the one after it requested
+      win = nxt;
+      nxt = i + 32 + lane < np ? page_table[p_begin + i + 32 + lane] : 0;
     }
+    const int page = __shfl_sync(0xffffffffu, win, i & 31);
+    if (lane == 0) {
+      uint64_t* bar = &s_full[i % kTmaStages];
+      mbar_expect_tx(bar, Ring::kTx);
+      unsigned char* st = s_ring + (size_t)(i % kTmaStages) * Ring::kStageBytes;
+#pragma unroll
+      for (int hb = 0; hb < HD / 64; ++hb) {
+        tma_load_3d(st + hb * Ring::kBox, &tm_k, hb * 64, kvh, page * kPageSize, bar);
+        tma_load_3d(st + Ring::kHalfBytes + hb * Ring::kBox, &tm_v, hb * 64, kvh,
+                    page * kPageSize, bar);
+      }
+    }
+    __syncwarp();
+  };
+  if constexpr (MQ) griddep_wait();  // the new positions' K/V come from the launch just before
+  if (producer) {  // warp-uniform; no block barrier inside
+    if (lane == 0) {
+      tma_prefetch_desc(&tm_k);
+      tma_prefetch_desc(&tm_v);
+    }
+    load_windows();
+    for (int i = 0; i < min(np, kTmaStages); ++i) issue_page(i);
+  }
+  // this thread's RoPE pairs of q: i = tid + k * kTmaThreads over G * HD/2 pairs
+  constexpr int kQPairs = (G * half_d + kTmaThreads - 1) / kTmaThreads;
+  float cq[kQPairs], sq[kQPairs];
+#pragma unroll
+  for (int k = 0; k < kQPairs; ++k) {
+    const int d = (tid + k * kTmaThreads) % half_d;
+    cq[k] = cos_table[(size_t)p_tab * half_d + d];
+    sq[k] = sin_table[(size_t)p_tab * half_d + d];
   }
 
-  // ---- the last active split block of this kv head merges ----
-  __threadfence();  // this thread's ws writes are visible device-wide before the count
-  __syncthreads();
-  if (tid == 0) s_last = atomicAdd(&counters[kvh], 1) == n_active - 1;
-  __syncthreads();
-  if (!s_last) return;  // block-uniform
-  __threadfence();      // acquire side: other blocks' ws writes are read after the count
-  // Thread t owns 4 dims (float4) of heads g = t / TPH + k * HPB. Splits come in chunks whose
-  // (m, l) are staged in shared memory by one parallel load (a serial loop over L2 loads was
-  // ~0.4 us per split); the acc loads of 16 splits are in flight at once. Per element this is
-  // the merge formula above, in split order (chunks > 1 only past kMergeChunk splits, then the
-  // running sum is rescaled once per chunk).
-  constexpr int TPH = HD / 4, HPB = kDecThreads / TPH, HPT = (G + HPB - 1) / HPB;
-  constexpr int kMergeChunk = kRingBytes / (8 * G);
-  float* s_mm = reinterpret_cast<float*>(s_raw);  // [G][kMergeChunk] maxima, then sums
-  float* s_ll = s_mm + G * kMergeChunk;
-  const int d4 = (tid % TPH) * 4, gq = tid / TPH;
-  float M[HPT], L[HPT];
-  float4 o[HPT];
+  // ---- after the wait: qkv (the GEMV just before), cache writes, ws, counters ----
+  if constexpr (!MQ) griddep_wait();
+  griddep_launch_dependents();
 #pragma unroll
-  for (int k = 0; k < HPT; ++k) {
-    M[k] = kNegBig;
-    L[k] = 0.f;
-    o[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  for (int c0 = 0; c0 < n_active; c0 += kMergeChunk) {
-    const int cn = min(kMergeChunk, n_active - c0);
-    __syncthreads();  // the ring / the previous chunk's (m, l) are no longer read
-    for (int i = tid; i < G * cn; i += kDecThreads) {
-      const int g = i / cn, sp = i % cn;
-      const float2 ml = __ldcg(reinterpret_cast<const float2*>(
-          ws_ml + ((size_t)(head0 + g) * num_splits + c0 + sp) * 2));
-      s_mm[g * kMergeChunk + sp] = ml.x;
-      s_ll[g * kMergeChunk + sp] = ml.y;
+  for (int k = 0; k < kQPairs; ++k) {
+    const int i = tid + k * kTmaThreads;
+    if (i < G * half_d) {
+      const int g = i / half_d, d = i % half_d;
+      const half* x = qkv + (size_t)(head0 + g) * HD;
+      half lo, hi;  // q as rope_kv_write would store it; the scale is applied to the scores
+      rope_pair(__half2float(x[d]), __half2float(x[d + half_d]), cq[k], sq[k], lo, hi);
+      s_qh[g][d] = lo;
+      s_qh[g][d + half_d] = hi;
     }
-    __syncthreads();
+  }
+  if (new_t >= 0) {  // block-uniform: this split holds pos, and pos is inside the table
+    const size_t slot = ((size_t)page_table[p / kPageSize] * kPageSize + p % kPageSize) *
+                            slot_stride + (size_t)kvh * HD;
+    const half* xk = qkv + (size_t)(n_heads + kvh) * HD;
+    const half* xv = qkv + (size_t)(n_heads + n_kv + kvh) * HD;
+    for (int d = tid; d < half_d; d += kTmaThreads) {
+      half lo, hi;
+      rope_pair(__half2float(xk[d]), __half2float(xk[d + half_d]),
+                cos_table[(size_t)p_tab * half_d + d], sin_table[(size_t)p_tab * half_d + d],
+                lo, hi);
+      k_cache[slot + d] = lo;
+      k_cache[slot + d + half_d] = hi;
+      s_knew[d] = lo;
+      s_knew[d + half_d] = hi;
+    }
+    for (int d = tid; d < HD; d += kTmaThreads) {
+      const half v = xv[d];
+      v_cache[slot + d] = v;
+      s_vnew[d] = v;
+    }
+  }
+  __syncthreads();  // s_qh, s_knew, s_vnew
+
+  // consumer state: lane (gid, tig) of the m16n8 fragments holds head row gid (< G counts),
+  // tokens / dims 2 tig, 2 tig + 1 of each 8-wide tile
+  const int gid = lane >> 2, tig = lane & 3;
+  float m_run = kNegBig, l_run = 0.f;  // l_run: this lane's share of the row sum (quad-summed)
+  float acc[NT][4];
 #pragma unroll
-    for (int k = 0; k < HPT; ++k) {
-      const int g = gq + k * HPB;
-      if (g < G) {  // warp-uniform (a warp covers whole heads); no barrier or shuffle inside
-        float mc = M[k];
-#pragma unroll 8
-        for (int sp = 0; sp < cn; ++sp) mc = fmaxf(mc, s_mm[g * kMergeChunk + sp]);
-        const float f0 = exp2f(M[k] - mc);  // 0 on the first chunk (o, L are 0 there)
-        L[k] *= f0;
-        o[k].x *= f0; o[k].y *= f0; o[k].z *= f0; o[k].w *= f0;
-        M[k] = mc;
-        const float4* ac = reinterpret_cast<const float4*>(
-            ws_acc + ((size_t)(head0 + g) * num_splits + c0) * HD + d4);
-#pragma unroll 16
-        for (int sp = 0; sp < cn; ++sp) {  // split order: deterministic
-          const float f = exp2f(s_mm[g * kMergeChunk + sp] - mc);
-          const float4 a = __ldcg(ac + (size_t)sp * (HD / 4));
-          L[k] = fmaf(s_ll[g * kMergeChunk + sp], f, L[k]);
-          o[k].x = fmaf(a.x, f, o[k].x);
-          o[k].y = fmaf(a.y, f, o[k].y);
-          o[k].z = fmaf(a.z, f, o[k].z);
-          o[k].w = fmaf(a.w, f, o[k].w);
+  for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+
+  if (producer) {  // warp-uniform; mbarriers and __syncwarp only
+    for (int i = kTmaStages; i < np; ++i) {
+      mbar_wait(&s_empty[i % kTmaStages], ((i / kTmaStages) - 1) & 1);
+      issue_page(i);
+    }
+  } else if (warp < np) {  // warp-uniform; mbarriers and __syncwarp only
+    uint32_t qa[HD / 16][2];  // A fragments of the rotated q: rows gid < G, k = 16 kk + 2 tig (+8)
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      qa[kk][0] = gid < G ? *reinterpret_cast<const uint32_t*>(&s_qh[gid][kk * 16 + 2 * tig]) : 0u;
+      qa[kk][1] =
+          gid < G ? *reinterpret_cast<const uint32_t*>(&s_qh[gid][kk * 16 + 8 + 2 * tig]) : 0u;
+    }
+    // ldmatrix row addresses: lane l feeds row (l & 7) of matrix l >> 3
+    const int mi = lane >> 3, mr = lane & 7;
+    const int k_row = (mi >> 1) * 8 + mr, k_q = mi & 1;  // K: token row, chunk within a k16 step
+    const int v_row = (mi & 1) * 8 + mr, v_q = mi >> 1;  // V (transposed): the same for a d16 tile
+    for (int i = warp; i < np; i += kTmaConsumers) {
+      const int s = i % kTmaStages;
+      mbar_wait(&s_full[s], (i / kTmaStages) & 1);
+      unsigned char* st = s_ring + (size_t)s * Ring::kStageBytes;
+      unsigned char* vst = st + Ring::kHalfBytes;
+      const int t0 = (p_begin + i) * kPageSize;
+      const int n_valid = min(kPageSize, t_end - t0);  // >= 1
+      const bool fresh = new_t >= t0 && new_t < t0 + kPageSize;
+      const bool patch = fresh || n_valid < kPageSize;  // warp-uniform
+      if (patch) {
+        if (fresh) {
+          for (int q = lane; q < HD / 8; q += 32) {
+            *reinterpret_cast<uint4*>(st + Ring::at(new_t - t0, q)) =
+                reinterpret_cast<const uint4*>(s_knew)[q];
+            *reinterpret_cast<uint4*>(vst + Ring::at(new_t - t0, q)) =
+                reinterpret_cast<const uint4*>(s_vnew)[q];
+          }
         }
+        for (int c = lane; c < (kPageSize - n_valid) * (HD / 8); c += 32)
+          *reinterpret_cast<uint4*>(vst + Ring::at(n_valid + c / (HD / 8), c % (HD / 8))) =
+              make_uint4(0u, 0u, 0u, 0u);
+        __syncwarp();
+      }
+      // S = Q K^T: two n8 tiles of tokens (0-7, 8-15)
+      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        uint32_t b[4];
+        ldmatrix_x4(b, st + Ring::at(k_row, 2 * kk + k_q));
+        mma16816(sc[0], qa[kk][0], 0u, qa[kk][1], 0u, b[0], b[1]);
+        mma16816(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, b[2], b[3]);
+      }
+      // online softmax of row gid (base 2); tokens past the split's end score -inf
+      float x[2][2], mx = kNegBig;
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int r = 8 * j + 2 * tig + e;
+          x[j][e] = r < n_valid ? sc[j][e] * scale_log2 : -CUDART_INF_F;
+          mx = fmaxf(mx, x[j][e]);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mn = fmaxf(m_run, mx);  // finite
+      const float corr = exp2f(m_run - mn);
+      float pj[2][2], psum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          pj[j][e] = exp2f(x[j][e] - mn);  // 0 for masked tokens
+          psum += pj[j][e];
+        }
+      l_run = fmaf(l_run, corr, psum);
+      m_run = mn;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        acc[n][0] *= corr;
+        acc[n][1] *= corr;
+      }
+      // O += P V: P's accumulator layout is the A fragment's (rows gid, k = tokens 2 tig (+8))
+      const uint32_t pa0 = h2_bits(__floats2half2_rn(pj[0][0], pj[0][1]));
+      const uint32_t pa2 = h2_bits(__floats2half2_rn(pj[1][0], pj[1][1]));
+#pragma unroll
+      for (int dt = 0; dt < HD / 16; ++dt) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, vst + Ring::at(v_row, 2 * dt + v_q));
+        mma16816(acc[2 * dt], pa0, 0u, pa2, 0u, b[0], b[1]);
+        mma16816(acc[2 * dt + 1], pa0, 0u, pa2, 0u, b[2], b[3]);
+      }
+      __syncwarp();  // every lane's reads of the stage are done
+      if (lane == 0) {
+        // the stage's generic writes (the patch) are ordered before the copy engine's refill
+        if (patch) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        mbar_arrive(&s_empty[s]);
       }
     }
   }
+  __syncthreads();  // every page has landed and been read: the ring is free for the partials
+
+  if (!producer) {  // warp-uniform; shuffles only
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+    float* s_wacc = reinterpret_cast<float*>(s_ring);  // [warp][g][HD]
+    if (gid < G) {
 #pragma unroll
-  for (int k = 0; k < HPT; ++k) {
-    const int g = gq + k * HPB;
-    if (g < G) {
-      half2* dst = reinterpret_cast<half2*>(out + (size_t)(head0 + g) * HD + d4);
-      dst[0] = __floats2half2_rn(o[k].x / L[k], o[k].y / L[k]);
-      dst[1] = __floats2half2_rn(o[k].z / L[k], o[k].w / L[k]);
+      for (int n = 0; n < NT; ++n) {
+        s_wacc[(warp * G + gid) * HD + 8 * n + 2 * tig] = acc[n][0];
+        s_wacc[(warp * G + gid) * HD + 8 * n + 2 * tig + 1] = acc[n][1];
+      }
+      if (tig == 0) {
+        s_wm[warp][gid] = m_run;
+        s_wl[warp][gid] = l_run;
+      }
     }
   }
-  if (tid == 0) counters[kvh] = 0;  // every active block of this kv head has counted
+  __syncthreads();
+  finish_split<HD, G, kTmaConsumers, kTmaThreads, Ring::kBytes / (8 * G)>(
+      out, ws_acc, ws_ml, counters, &s_wm[0][0], &s_wl[0][0], reinterpret_cast<float*>(s_ring),
+      reinterpret_cast<float*>(s_ring), &s_last, kvh, split, num_splits, n_active, head0);
 }
 
 namespace {
+
+// The TMA kernel's tensor maps: a layer's K (or V) cache [pages * 16 slots][n_kv][head_dim] fp16
+// as a 3-D tensor (dims innermost first), boxes of 64 dims x 1 head x 16 slots, 128-byte swizzle
+// (TmaRing). cuTensorMapEncodeTiled is a driver function: reached through the runtime's entry
+// point, so nothing links libcuda. Maps are pure host data; the last few are kept (eager decode
+// asks for the same 2 x layers every step), keyed by everything they encode.
+struct MapKey {
+  const void* ptr;
+  int slots, n_kv, hd;
+  bool operator==(const MapKey& o) const {
+    return ptr == o.ptr && slots == o.slots && n_kv == o.n_kv && hd == o.hd;
+  }
+};
+
+cudaError_t kv_tensor_map(CUtensorMap* out, const half* cache, int slots, int n_kv, int hd) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      fn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr)
+    return nq_fail(cudaErrorNotSupported, "attention_decode (TMA): the driver has no "
+                   "cuTensorMapEncodeTiled");
+  constexpr int kCache = 256;
+  static std::mutex mu;
+  static MapKey keys[kCache];
+  static CUtensorMap maps[kCache];
+  static int n = 0, next = 0;
+  const MapKey key{cache, slots, n_kv, hd};
+  std::lock_guard<std::mutex> lk(mu);
+  for (int i = 0; i < n; ++i)
+    if (keys[i] == key) {
+      *out = maps[i];
+      return cudaSuccess;
+    }
+  const cuuint64_t dims[3] = {(cuuint64_t)hd, (cuuint64_t)n_kv, (cuuint64_t)slots};
+  const cuuint64_t strides[2] = {(cuuint64_t)hd * 2, (cuuint64_t)n_kv * hd * 2};  // bytes
+  const cuuint32_t box[3] = {64, 1, kPageSize};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  const CUresult r = encode(out, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, const_cast<half*>(cache),
+                            dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return nq_fail(cudaErrorInvalidValue, "attention_decode (TMA): cuTensorMapEncodeTiled of a "
+                   "cache at %p (%d slots x %d heads x %d dims) failed with CUresult %d "
+                   "(the cache must be 16-byte aligned)", static_cast<const void*>(cache), slots,
+                   n_kv, hd, (int)r);
+  const int at = n < kCache ? n++ : (next++ % kCache);
+  keys[at] = key;
+  maps[at] = *out;
+  return cudaSuccess;
+}
 
 template <bool MQ>
 cudaError_t launch_attention(const char* fn, int T, half* out, float* ws_acc, float* ws_ml,
@@ -398,7 +853,10 @@ cudaError_t launch_attention(const char* fn, int T, half* out, float* ws_acc, fl
                              const float* cos_table, const float* sin_table,
                              const int32_t* page_table, int table_len, const int32_t* pos,
                              int n_heads, int n_kv, int head_dim, int num_splits, int min_pps,
-                             float scale, cudaStream_t stream) {
+                             int kernel, float scale, cudaStream_t stream) {
+  if (kernel != kAttnCpAsync && kernel != kAttnTma)
+    return nq_fail(cudaErrorInvalidValue, "%s: kernel=%d (%d: cp.async split-K, %d: TMA "
+                   "warp-specialized)", fn, kernel, kAttnCpAsync, kAttnTma);
   if (T < 1 || T > kMaxVerifyQueries)
     return nq_fail(cudaErrorInvalidValue, "%s: T=%d queries, 1..%d", fn, T, kMaxVerifyQueries);
   if (n_kv <= 0 || n_heads % n_kv || n_heads / n_kv > kMaxGqa || num_splits <= 0 ||
@@ -412,6 +870,12 @@ cudaError_t launch_attention(const char* fn, int T, half* out, float* ws_acc, fl
   if (min_pps == 0) min_pps = kDecMinPpsDefault;
   const float scale_log2 = scale * 1.4426950408889634f;
   const dim3 grid(n_kv, num_splits, T);
+  CUtensorMap tm_k, tm_v;  // the caches' tensor maps (TMA kernel): table_len pages of 16 slots
+  if (kernel == kAttnTma) {
+    const int slots = table_len * kPageSize;
+    if (cudaError_t me = kv_tensor_map(&tm_k, k_cache, slots, n_kv, head_dim)) return me;
+    if (cudaError_t me = kv_tensor_map(&tm_v, v_cache, slots, n_kv, head_dim)) return me;
+  }
   // one instantiation per (head_dim, GQA ratio): G is a template parameter so the heads' loops
   // unroll and interleave (RESULTS.md, "Fused decode attention", run 2)
   bool launched = false;
@@ -419,12 +883,27 @@ cudaError_t launch_attention(const char* fn, int T, half* out, float* ws_acc, fl
 #define NQ_DECODE_CASE(HD, G)                                                                    \
   case G:                                                                                      \
     launched = true;                                                                           \
-    e = launch_pdl(MQ ? "attention_decode_cached<" #HD ", " #G ">"                            \
-                      : "attention_decode<" #HD ", " #G ">",                                   \
-                   attn_decode_kernel<HD, G, MQ>, grid,                                        \
-                   dim3(kDecThreads), 0, stream, out, ws_acc, ws_ml, counters, qkv, k_cache,    \
-                   v_cache, cos_table, sin_table, page_table, table_len, pos, n_heads, n_kv,    \
-                   num_splits, min_pps, scale_log2);                                           \
+    if (kernel == kAttnTma) {                                                                  \
+      static const cudaError_t attr =                                                          \
+          set_max_smem(attn_decode_tma_kernel<HD, G, MQ>, TmaRing<HD>::kSmem);                 \
+      if (attr != cudaSuccess)                                                                 \
+        return smem_refused(attr, MQ ? "attention_decode_cached<" #HD ", " #G ", tma>"         \
+                                     : "attention_decode<" #HD ", " #G ", tma>",               \
+                            TmaRing<HD>::kSmem);                                               \
+      e = launch_pdl(MQ ? "attention_decode_cached<" #HD ", " #G ", tma>"                     \
+                        : "attention_decode<" #HD ", " #G ", tma>",                            \
+                     attn_decode_tma_kernel<HD, G, MQ>, grid, dim3(kTmaThreads),               \
+                     TmaRing<HD>::kSmem, stream, out, ws_acc, ws_ml, counters, qkv, k_cache,   \
+                     v_cache, cos_table, sin_table, page_table, table_len, pos, n_heads, n_kv,  \
+                     num_splits, min_pps, scale_log2, tm_k, tm_v);                             \
+    } else {                                                                                   \
+      e = launch_pdl(MQ ? "attention_decode_cached<" #HD ", " #G ">"                          \
+                        : "attention_decode<" #HD ", " #G ">",                                 \
+                     attn_decode_kernel<HD, G, MQ>, grid, dim3(kDecThreads), 0, stream, out,   \
+                     ws_acc, ws_ml, counters, qkv, k_cache, v_cache, cos_table, sin_table,     \
+                     page_table, table_len, pos, n_heads, n_kv, num_splits, min_pps,           \
+                     scale_log2);                                                              \
+    }                                                                                          \
     break;
 #define NQ_DECODE_HD(HD)                                                                         \
   switch (n_heads / n_kv) {                                                                    \
@@ -445,8 +924,8 @@ cudaError_t launch_attention(const char* fn, int T, half* out, float* ws_acc, fl
   if (e == cudaSuccess) return e;
   return nq_fail(e,
                  "%s: T=%d n_heads=%d n_kv=%d head_dim=%d num_splits=%d table_len=%d "
-                 "min_pps=%d: %s",
-                 fn, T, n_heads, n_kv, head_dim, num_splits, table_len, min_pps,
+                 "min_pps=%d kernel=%d: %s",
+                 fn, T, n_heads, n_kv, head_dim, num_splits, table_len, min_pps, kernel,
                  last_error_message());
 }
 
@@ -457,10 +936,11 @@ cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* co
                              const float* cos_table, const float* sin_table,
                              const int32_t* page_table, int table_len, const int32_t* pos,
                              int n_heads, int n_kv, int head_dim, int num_splits, int min_pps,
-                             float scale, cudaStream_t stream) {
+                             int kernel, float scale, cudaStream_t stream) {
   return launch_attention<false>("attention_decode", 1, out, ws_acc, ws_ml, counters, qkv,
                                  k_cache, v_cache, cos_table, sin_table, page_table, table_len,
-                                 pos, n_heads, n_kv, head_dim, num_splits, min_pps, scale, stream);
+                                 pos, n_heads, n_kv, head_dim, num_splits, min_pps, kernel, scale,
+                                 stream);
 }
 
 cudaError_t attention_decode_cached(half* out, float* ws_acc, float* ws_ml, int32_t* counters,
@@ -468,12 +948,12 @@ cudaError_t attention_decode_cached(half* out, float* ws_acc, float* ws_ml, int3
                                     const float* cos_table, const float* sin_table,
                                     const int32_t* page_table, int table_len, const int32_t* pos,
                                     int T, int n_heads, int n_kv, int head_dim, int num_splits,
-                                    int min_pps, float scale, cudaStream_t stream) {
+                                    int min_pps, int kernel, float scale, cudaStream_t stream) {
   // (the kernel writes the caches only when !MQ)
   return launch_attention<true>("attention_decode_cached", T, out, ws_acc, ws_ml, counters, qkv,
                                 const_cast<half*>(k_cache), const_cast<half*>(v_cache),
                                 cos_table, sin_table, page_table, table_len, pos, n_heads, n_kv,
-                                head_dim, num_splits, min_pps, scale, stream);
+                                head_dim, num_splits, min_pps, kernel, scale, stream);
 }
 
 }  // namespace nanoqwen

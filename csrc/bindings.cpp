@@ -220,11 +220,14 @@ void rope_kv_write(Tensor& q_out, Tensor& k_cache, Tensor& v_cache, const Tensor
 void attention_decode(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, Tensor& counters,
                       const Tensor& qkv, Tensor& k_cache, Tensor& v_cache, const Tensor& cos,
                       const Tensor& sin, const Tensor& page_table, const Tensor& pos,
-                      int64_t min_pps) {
+                      int64_t min_pps, int64_t kernel) {
   const char* op = "attention_decode";
   NQ_CHECK(min_pps >= 0 && min_pps <= nanoqwen::kDecMinPpsMax, op, ": min_pps=", min_pps,
            " must be 0 (the default, ", nanoqwen::kDecMinPpsDefault,
            " KV pages per split) or 1 to ", nanoqwen::kDecMinPpsMax);
+  NQ_CHECK(kernel == nanoqwen::kAttnCpAsync || kernel == nanoqwen::kAttnTma, op, ": kernel=",
+           kernel, " must be ", nanoqwen::kAttnCpAsync, " (cp.async split-K) or ",
+           nanoqwen::kAttnTma, " (TMA, warp-specialized, tensor cores)");
   check_arg(op, "out", out, at::kHalf);
   check_arg(op, "ws_acc", ws_acc, at::kFloat);
   check_arg(op, "ws_ml", ws_ml, at::kFloat);
@@ -250,6 +253,10 @@ void attention_decode(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, Tensor& counte
   check_dims(op, "page_table", page_table, {-1});
   const int64_t table_len = page_table.size(0);
   NQ_CHECK(table_len >= 1, op, ": page_table is empty");
+  // the TMA kernel reads the caches through tensor maps over table_len pages (kernels.h)
+  NQ_CHECK(kernel != nanoqwen::kAttnTma || k_cache.size(0) == table_len, op, ": kernel=",
+           kernel, " (TMA) needs a cache of exactly page_table's ", table_len, " pages, got ",
+           k_cache.size(0));
   check_dims(op, "pos", pos, {1});
   check_dims(op, "cos", cos, {-1, D / 2});
   check_dims(op, "sin", sin, {cos.size(0), D / 2});
@@ -265,7 +272,7 @@ void attention_decode(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, Tensor& counte
                        counters.data_ptr<int32_t>(), chp(qkv), hp(k_cache), hp(v_cache),
                        cos.data_ptr<float>(), sin.data_ptr<float>(),
                        page_table.data_ptr<int32_t>(), (int)table_len, pos.data_ptr<int32_t>(),
-                       (int)nh, (int)nkv, (int)D, (int)S, (int)min_pps,
+                       (int)nh, (int)nkv, (int)D, (int)S, (int)min_pps, (int)kernel,
                        (float)(1.0 / std::sqrt((double)D)), stream_of(out)));
 }
 
@@ -613,12 +620,12 @@ class Engine : public torch::CustomClassHolder {
   // ints: H, I, n_heads, n_kv, head_dim, vocab, int4_max_m (with dequant prefill weights, prompt
   //   chunks of at most this many tokens go through gemm_int4 instead; 0: never), min_pps, num_splits,
   //   prefill weights (0 dequant, 1 resident, 2 int4: no dense matrices, gemm_int4 on the INT4
-  //   weights), prefill_chunk
+  //   weights), prefill_chunk, attention kernel (kAttnCpAsync / kAttnTma)
   Engine(std::vector<Tensor> globals, std::vector<Tensor> layers, std::vector<Tensor> dense,
          std::vector<int64_t> ints, double eps, int64_t stream_ptr)
       : g_(std::move(globals)), l_(std::move(layers)), d_(std::move(dense)) {
     const char* op = "Engine";
-    NQ_CHECK(ints.size() == 11, op, ": ints has ", (int64_t)ints.size(), " values, expected 11");
+    NQ_CHECK(ints.size() == 12, op, ": ints has ", (int64_t)ints.size(), " values, expected 12");
     NQ_CHECK(g_.size() == 24, op, ": globals has ", (int64_t)g_.size(), " tensors, expected 24");
     NQ_CHECK(!l_.empty() && l_.size() % 15 == 0, op, ": layers has ", (int64_t)l_.size(),
              " tensors, expected 15 a layer");
@@ -647,6 +654,10 @@ class Engine : public torch::CustomClassHolder {
     NQ_CHECK(nh % nkv == 0 && nh / nkv <= nanoqwen::kMaxGqa, op, ": n_heads=", nh, " / n_kv=", nkv,
              " must be a whole GQA ratio of at most ", nanoqwen::kMaxGqa);
     NQ_CHECK(a.min_pps >= 0 && a.min_pps <= nanoqwen::kDecMinPpsMax, op, ": min_pps=", a.min_pps);
+    NQ_CHECK(ints[11] == nanoqwen::kAttnCpAsync || ints[11] == nanoqwen::kAttnTma, op,
+             ": attention kernel=", ints[11], " must be ", nanoqwen::kAttnCpAsync, " or ",
+             nanoqwen::kAttnTma);
+    a.attn_kernel = (int)ints[11];
     struct Want { const char* name; at::ScalarType dt; std::vector<int64_t> dims; };
     const std::vector<Want> want = {
         {"embed", at::kHalf, {V, H}}, {"final_norm", at::kHalf, {H}}, {"lm_head", at::kHalf, {V, H}},
@@ -1217,10 +1228,11 @@ TORCH_LIBRARY(nanoqwen, m) {
   // fp16 lm_head GEMV to fp32 logits
   m.def("gemv_fp16(Tensor! logits, Tensor x, Tensor w) -> ()");
   // RoPE + K/V write + split-K paged attention + split merge for one decode token, one launch
-  // (min_pps: minimum KV pages per split, 0 = kDecMinPpsDefault; the engine passes its switch)
+  // (min_pps: minimum KV pages per split, 0 = kDecMinPpsDefault; kernel: the page loop, 0
+  // cp.async split-K, 1 TMA warp-specialized on tensor cores; the engine passes its switches)
   m.def("attention_decode(Tensor! out, Tensor! ws_acc, Tensor! ws_ml, Tensor! counters, "
         "Tensor qkv, Tensor! k_cache, Tensor! v_cache, Tensor cos, Tensor sin, "
-        "Tensor page_table, Tensor pos, int min_pps=0) -> ()");
+        "Tensor page_table, Tensor pos, int min_pps=0, int kernel=0) -> ()");
   // INT4 -> fp16 weight (prefill feeds cuBLAS with it)
   m.def("dequant_int4(Tensor! w, Tensor qweight, Tensor scales) -> ()");
   // the prefill's INT4 GEMMs over m tokens (prefill_weights "int4")

@@ -112,9 +112,10 @@ cudaError_t launch_step(const StepArgs& a, cudaStream_t s) {
            "decode step, layer %d, qkv gemv_int4", li);
     NQ_TRY(attention_decode(a.attn, a.ws_acc, a.ws_ml, a.attn_counters, a.qkv, L.k_cache,
                             L.v_cache, a.cos, a.sin, a.page_table, a.table_len, a.pos, a.n_heads,
-                            a.n_kv, a.head_dim, a.num_splits, a.min_pps, scale, s),
-           "decode step, layer %d, attention_decode (heads %d/%d, d=%d, splits %d, min_pps %d)",
-           li, a.n_heads, a.n_kv, a.head_dim, a.num_splits, a.min_pps);
+                            a.n_kv, a.head_dim, a.num_splits, a.min_pps, a.attn_kernel, scale, s),
+           "decode step, layer %d, attention_decode (heads %d/%d, d=%d, splits %d, min_pps %d, "
+           "kernel %d)",
+           li, a.n_heads, a.n_kv, a.head_dim, a.num_splits, a.min_pps, a.attn_kernel);
     NQ_TRY(gemv_int4_residual(a.hidden, a.attn, L.o_qw, L.o_sc, a.H, q, 1, s),
            "decode step, layer %d, o gemv_int4_residual", li);
     NQ_TRY(rmsnorm(a.xn, a.hidden, L.ln2, 1, a.H, a.eps, s), "decode step, layer %d, rmsnorm 2",
@@ -146,7 +147,8 @@ cudaError_t launch_verify(const StepArgs& a, const VerifyArgs& v, int T, cudaStr
            "verify step (T=%d), layer %d, rope_kv_write", T, li);
     NQ_TRY(attention_decode_cached(v.attn, v.ws_acc, v.ws_ml, v.attn_counters, v.qkv, L.k_cache,
                                    L.v_cache, a.cos, a.sin, a.page_table, a.table_len, v.pos, T,
-                                   a.n_heads, a.n_kv, a.head_dim, a.num_splits, a.min_pps, scale,
+                                   a.n_heads, a.n_kv, a.head_dim, a.num_splits, a.min_pps,
+                                   a.attn_kernel, scale,
                                    s),
            "verify step (T=%d), layer %d, attention_decode_cached (heads %d/%d, d=%d, splits %d)",
            T, li, a.n_heads, a.n_kv, a.head_dim, a.num_splits);

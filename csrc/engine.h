@@ -60,6 +60,7 @@ struct StepArgs {
   int H = 0, I = 0, n_heads = 0, n_kv = 0, head_dim = 0, vocab = 0;
   float eps = 0.f;
   int min_pps = 0;            // attention_decode's minimum pages per split
+  int attn_kernel = 0;        // attention_decode's page loop (kAttnCpAsync / kAttnTma)
   int num_splits = 1;
   int table_len = 0;          // pages in page_table (the RoPE tables hold table_len*16 rows)
   int ctx_capacity = 0;       // ids in ctx_tokens

@@ -108,26 +108,35 @@ constexpr int kDecMinPpsDefault = 2;  // measured fastest on the H200 (benchmark
 // per kv head already), and the bound keeps split * pps far inside int. engine/switches.py
 // validates NANOQWEN_ATTN_MIN_PPS against the same two constants (tests/test_switches.py).
 constexpr int kDecMinPpsMax = 8192;
+// kernel: which page loop runs (the same splits, prologue and merge either way):
+//   kAttnCpAsync  4 warps stream pages through a cp.async ring, fp32 FMA dot products
+//   kAttnTma      a producer warp copies pages through tensor maps (cp.async.bulk.tensor, TMA)
+//                 into an mbarrier ring, 4 consumer warps do QK^T and PV on tensor cores
+//                 (mma.sync m16n8k16); the maps cover table_len pages, so every page id in the
+//                 table must be < table_len (the engine's caches hold exactly table_len pages)
+// anything else fails without launching.
+constexpr int kAttnCpAsync = 0;
+constexpr int kAttnTma = 1;
 cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* counters,
                              const half* qkv, half* k_cache, half* v_cache,
                              const float* cos_table, const float* sin_table,
                              const int32_t* page_table, int table_len, const int32_t* pos,
                              int n_heads, int n_kv, int head_dim, int num_splits, int min_pps,
-                             float scale, cudaStream_t stream);
+                             int kernel, float scale, cudaStream_t stream);
 
 // The speculative verify step's attention: T (1..kMaxVerifyQueries) queries at positions
 // pos[0] .. pos[0] + T - 1, whose K/V the cache already holds (rope_kv_write, launched just
 // before). qkv [T, q + 2kv]; out [T, n_heads, head_dim]; ws_acc / ws_ml / counters T times
 // attention_decode's (query i uses slice i; counters zero before, left zero). Query i's output
 // is bit-identical to attention_decode's at position pos[0] + i with the same cache: the same
-// RoPE of q, splits and order (tests/gpu checks it). Writes no cache.
+// RoPE of q, splits, kernel and order (tests/gpu checks it). Writes no cache.
 constexpr int kMaxVerifyQueries = 16;
 cudaError_t attention_decode_cached(half* out, float* ws_acc, float* ws_ml, int32_t* counters,
                                     const half* qkv, const half* k_cache, const half* v_cache,
                                     const float* cos_table, const float* sin_table,
                                     const int32_t* page_table, int table_len, const int32_t* pos,
                                     int T, int n_heads, int n_kv, int head_dim, int num_splits,
-                                    int min_pps, float scale, cudaStream_t stream);
+                                    int min_pps, int kernel, float scale, cudaStream_t stream);
 
 // GPU sampler (docs/INTERFACES.md order): repetition penalty over the distinct ids among the
 // last repeat_last_n context ids (ctx_tokens[0..pos]) -> greedy argmax (lowest id on ties) ->

@@ -4,6 +4,9 @@ A/B measurements (README, "measurement switches"; the numbers are in benchmarks/
     NANOQWEN_PDL=0|1           programmatic dependent launch, default 1 (on)    csrc/common.cuh
     NANOQWEN_ATTN_MIN_PPS=n    attention_decode's minimum KV pages per split,    backends/cuda.py
                                n = 1..8192 in decimal digits, default 2
+    NANOQWEN_ATTN_TMA=0|1      attention_decode's page loop: 1 the TMA          backends/cuda.py
+                               warp-specialized kernel on tensor cores, 0 the
+                               cp.async split-K kernel; default 0
     NANOQWEN_INT4_MAX_M=n      with prefill weights "dequant" (no resident fp16  backends/cuda.py
                                copy), prompt chunks of at most n tokens go
                                through gemm_int4 on the INT4 weights instead;
@@ -33,6 +36,11 @@ from .errors import NanoqwenError
 
 PDL = "NANOQWEN_PDL"
 ATTN_MIN_PPS = "NANOQWEN_ATTN_MIN_PPS"
+ATTN_TMA = "NANOQWEN_ATTN_TMA"
+# off until the tensor-map version has run: session 19's raw-copy version was faster than the
+# cp.async kernel at every context of bench_attention.py (H100, 128 to 32768 tokens), but
+# racecheck flagged it (benchmarks/RESULTS.md, session 19); 1 measures it
+ATTN_TMA_DEFAULT = False
 # switches that existed and were removed: variable -> why (read_switches refuses them when set)
 REMOVED = {
     "NANOQWEN_FUSE_NORM": "the fused-norm GEMVs it selected decoded at 1.93 ms/token against 1.89 "
@@ -63,6 +71,7 @@ class SwitchError(NanoqwenError, ValueError):
 class Switches:
     pdl: bool = True            # NANOQWEN_PDL
     attn_min_pps: int = ATTN_MIN_PPS_DEFAULT  # NANOQWEN_ATTN_MIN_PPS
+    attn_tma: bool = ATTN_TMA_DEFAULT         # NANOQWEN_ATTN_TMA
     int4_max_m: int = INT4_MAX_M_DEFAULT      # NANOQWEN_INT4_MAX_M
 
 
@@ -98,5 +107,6 @@ def read_switches(env: Mapping[str, str] | None = None) -> Switches:
     return Switches(pdl=_flag(env, PDL, True),
                     attn_min_pps=_count(env, ATTN_MIN_PPS, ATTN_MIN_PPS_DEFAULT, 1,
                                         ATTN_MIN_PPS_MAX, "KV pages per split"),
+                    attn_tma=_flag(env, ATTN_TMA, ATTN_TMA_DEFAULT),
                     int4_max_m=_count(env, INT4_MAX_M, INT4_MAX_M_DEFAULT, 0, INT4_MAX_M_MAX,
                                       "prompt tokens"))

@@ -1,5 +1,5 @@
 """The measurement switches (engine/switches.py): every accepted and rejected form of
-NANOQWEN_PDL, NANOQWEN_ATTN_MIN_PPS and NANOQWEN_INT4_MAX_M, the removed NANOQWEN_FUSE_NORM
+NANOQWEN_PDL, NANOQWEN_ATTN_TMA, NANOQWEN_ATTN_MIN_PPS and NANOQWEN_INT4_MAX_M, the removed NANOQWEN_FUSE_NORM
 refused when set, the C++ side's constants, and a bad value reaching the user as a message
 (CUDA backend init, loader, CLI, app) instead of a traceback or a silent fallback. CPU only:
 where a path needs CUDA, torch.cuda.is_available is patched to True and the check fires before
@@ -19,12 +19,12 @@ from nanoqwen.engine import loader
 from nanoqwen.engine.cli import main
 from nanoqwen.engine.errors import BackendUnavailable, NanoqwenError
 from nanoqwen.engine.switches import (ATTN_MIN_PPS, ATTN_MIN_PPS_DEFAULT, ATTN_MIN_PPS_MAX,
-                                      INT4_MAX_M, INT4_MAX_M_DEFAULT, INT4_MAX_M_MAX, PDL,
+                                      ATTN_TMA, ATTN_TMA_DEFAULT, INT4_MAX_M, INT4_MAX_M_DEFAULT, INT4_MAX_M_MAX, PDL,
                                       REMOVED, SwitchError, Switches, read_switches)
 
-FLAGS = [(PDL, "pdl", True)]  # (variable, field, default)
+FLAGS = [(PDL, "pdl", True), (ATTN_TMA, "attn_tma", ATTN_TMA_DEFAULT)]  # (variable, field, default)
 FUSE_NORM = "NANOQWEN_FUSE_NORM"  # removed: refused when set
-ALL = (PDL, ATTN_MIN_PPS, INT4_MAX_M, *REMOVED)
+ALL = (PDL, ATTN_TMA, ATTN_MIN_PPS, INT4_MAX_M, *REMOVED)
 
 
 @pytest.fixture
@@ -104,7 +104,8 @@ def test_int4_max_m_bound_is_the_prefill_chunk():
 def test_every_switch_is_checked_with_the_others_valid(env):
     env(PDL, "0")
     env(ATTN_MIN_PPS, "5")
-    assert read_switches() == Switches(pdl=False, attn_min_pps=5)
+    env(ATTN_TMA, str(int(not ATTN_TMA_DEFAULT)))
+    assert read_switches() == Switches(pdl=False, attn_min_pps=5, attn_tma=not ATTN_TMA_DEFAULT)
     env(ATTN_MIN_PPS, "0")
     with pytest.raises(SwitchError, match=ATTN_MIN_PPS):
         read_switches()
@@ -137,6 +138,9 @@ def test_cpp_side_uses_the_same_default_and_bounds():
     hdr = (REPO_ROOT / "csrc" / "kernels.h").read_text()
     assert re.search(r"kDecMinPpsDefault = (\d+);", hdr).group(1) == str(ATTN_MIN_PPS_DEFAULT)
     assert re.search(r"kDecMinPpsMax = (\d+);", hdr).group(1) == str(ATTN_MIN_PPS_MAX)
+    # the backend hands NANOQWEN_ATTN_TMA to the engine as int(attn_tma): 1 must be the TMA kernel
+    assert re.search(r"kAttnCpAsync = (\d+);", hdr).group(1) == "0"
+    assert re.search(r"kAttnTma = (\d+);", hdr).group(1) == "1"
     for f in sorted((REPO_ROOT / "csrc").iterdir()):
         if f.suffix in (".cu", ".cuh", ".h", ".cpp"):
             text = f.read_text()

@@ -337,7 +337,8 @@ class CudaBackend(Backend):
         ints = [c.hidden_size, c.intermediate_size, c.num_attention_heads,
                 c.num_key_value_heads, c.head_dim, c.vocab_size,
                 self.switches.int4_max_m,  # dequant weights: chunks this short via gemm_int4
-                self.attn_min_pps, self.num_splits, mode, PREFILL_CHUNK]
+                self.attn_min_pps, self.num_splits, mode, PREFILL_CHUNK,
+                int(self.switches.attn_tma)]  # csrc kAttnTma = 1, kAttnCpAsync = 0
         return globals_, layers, dense, ints
 
     def _make_core(self) -> None:

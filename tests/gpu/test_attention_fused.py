@@ -23,6 +23,12 @@ pytestmark = [pytest.mark.cuda,
 PAGE = 16
 MAX_CTX = 2048
 THETA = 1_000_000.0
+KERNELS = {"cpasync": 0, "tma": 1}  # csrc/kernels.h kAttnCpAsync, kAttnTma
+
+
+@pytest.fixture(params=list(KERNELS.values()), ids=list(KERNELS))
+def kernel(request):
+    return request.param
 
 
 def ops():
@@ -46,8 +52,9 @@ def rope_ref(x, c, s):
 class Case:
     """One decode step's inputs: token at position pos over a shuffled paged cache."""
 
-    def __init__(self, gen, d, nh, nkv, pos, num_pages, splits, min_pps=0):
+    def __init__(self, gen, d, nh, nkv, pos, num_pages, splits, min_pps=0, kernel=0):
         self.d, self.nh, self.nkv, self.pos0, self.splits = d, nh, nkv, pos, splits
+        self.kernel = kernel
         self.min_pps = min_pps  # 0: the op's default (kDecMinPpsDefault = 2)
         self.table = torch.randperm(num_pages, generator=gen, device="cuda").int()
         self.kc = torch.randn(num_pages, PAGE, nkv, d, generator=gen, device="cuda").half()
@@ -70,7 +77,8 @@ class Case:
             else counters
         out = torch.full((self.nh, self.d), float("nan"), device="cuda").half()
         ops().attention_decode(out, *(self.ws() if ws is None else ws), counters, self.qkv, kc,
-                               vc, self.cos, self.sin, self.table, self.pos, self.min_pps)
+                               vc, self.cos, self.sin, self.table, self.pos, self.min_pps,
+                               self.kernel)
         return out, kc, vc, counters
 
     def rope_cache(self):
@@ -124,18 +132,18 @@ SHAPES = [(128, 28, 4), (64, 14, 2), (128, 40, 8), (128, 16, 2), (64, 8, 8)]  # 
 @pytest.mark.parametrize("d,nh,nkv", SHAPES)
 @pytest.mark.parametrize("L", [1, 15, 16, 17, 49, 1000, MAX_CTX])
 @pytest.mark.parametrize("splits", [1, 7, 66])
-def test_attention_decode(gen, d, nh, nkv, L, splits):
-    check(Case(gen, d, nh, nkv, L - 1, MAX_CTX // PAGE, splits))
+def test_attention_decode(gen, kernel, d, nh, nkv, L, splits):
+    check(Case(gen, d, nh, nkv, L - 1, MAX_CTX // PAGE, splits, kernel=kernel))
 
 
 @pytest.mark.parametrize("min_pps", [0, 1, 2, 3, 64, 8192])
 @pytest.mark.parametrize("L", [17, 49, 1000, MAX_CTX])
-def test_split_sizing_policies(gen, min_pps, L):
+def test_split_sizing_policies(gen, kernel, min_pps, L):
     """The min_pps argument (minimum pages per split; 0 = the default 2) changes only the
     summation order: every setting matches the references. And the kernel really used it:
     exactly the active splits write their ws_ml slot, n_active = ceil(pages / pps) with
     pps = max(ceil(pages / 66), min_pps), so the slots left NaN show the policy it ran."""
-    c = Case(gen, 128, 28, 4, L - 1, MAX_CTX // PAGE, 66, min_pps)
+    c = Case(gen, 128, 28, 4, L - 1, MAX_CTX // PAGE, 66, min_pps, kernel)
     check(c)
     ws = c.ws()
     c.fused(ws=ws)
@@ -157,10 +165,10 @@ def test_min_pps_fixed_per_call_in_one_process(gen):
         assert int((~ws[1].isnan().any(-1))[0].sum()) == n_active, min_pps
 
 
-def test_repeat_and_graph_bitwise(gen):
+def test_repeat_and_graph_bitwise(gen, kernel):
     """Two eager calls and a CUDA-graph replay give the same bits (the merge order is fixed,
     whichever split block finishes last); the graph keeps the min_pps it was captured with."""
-    c = Case(gen, 128, 28, 4, 777, MAX_CTX // PAGE, 66, min_pps=3)
+    c = Case(gen, 128, 28, 4, 777, MAX_CTX // PAGE, 66, min_pps=3, kernel=kernel)
     a, kc, vc, counters = c.fused()
     b, _, _, _ = c.fused(kc, vc, counters)  # same cache again: slot pos rewritten identically
     assert torch.equal(a, b)
@@ -172,7 +180,7 @@ def test_repeat_and_graph_bitwise(gen):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=s):
             ops().attention_decode(out, *ws, counters, c.qkv, kc, vc, c.cos, c.sin, c.table, c.pos,
-                                   c.min_pps)
+                                   c.min_pps, c.kernel)
     torch.cuda.current_stream().wait_stream(s)
     for _ in range(3):
         out.fill_(float("nan"))
@@ -183,20 +191,20 @@ def test_repeat_and_graph_bitwise(gen):
 
 
 @pytest.mark.parametrize("beyond", [0, 5, 100])
-def test_pos_beyond_table(gen, beyond):
+def test_pos_beyond_table(gen, kernel, beyond):
     """pos at or past the table end: nothing is written, attention covers the whole table, q
     takes the tables' last row (as rope_kv_write)."""
     num_pages = 6
-    c = Case(gen, 128, 28, 4, num_pages * PAGE + beyond, num_pages, 7)
+    c = Case(gen, 128, 28, 4, num_pages * PAGE + beyond, num_pages, 7, kernel=kernel)
     out = check(c)
     o2, kc, vc, _ = c.fused()
     assert torch.equal(kc, c.kc) and torch.equal(vc, c.vc)
     assert torch.equal(o2, out)
 
 
-def test_stale_tail_ignored(gen):
+def test_stale_tail_ignored(gen, kernel):
     """Slots past pos on a partial last page hold garbage (even inf) that must not leak in."""
-    c = Case(gen, 128, 28, 4, 16, 4, 8)  # L = 17: page table[1] holds one live slot
+    c = Case(gen, 128, 28, 4, 16, 4, 8, kernel=kernel)  # L = 17: table[1] holds one live slot
     a, _, _, _ = c.fused()
     pg = int(c.table[1])
     c.kc[pg, 1:] = 1e4
@@ -205,12 +213,21 @@ def test_stale_tail_ignored(gen):
     assert torch.equal(a, b)
 
 
-def test_decode_steps_across_page_boundary(gen):
+@pytest.mark.parametrize("L", [8192 + 5, 32768])
+@pytest.mark.parametrize("splits", [1, 66])
+def test_long_contexts(gen, kernel, L, splits):
+    """Up to the 7B's whole context (32768, a partial last page below it): one split streams
+    all 2048 pages through the ring (the TMA kernel's 8 stages reused 256 times), 66 splits
+    cut it as the engine does."""
+    check(Case(gen, 128, 28, 4, L - 1, 32768 // PAGE, splits, kernel=kernel))
+
+
+def test_decode_steps_across_page_boundary(gen, kernel):
     """Consecutive positions 13..34 on one cache and one counters tensor, as the engine runs
     it: every step matches the fp32 reference over the cache the earlier steps wrote, and the
     cache stays what rope_kv_write would have written."""
     nh, nkv, d = 28, 4, 128
-    c = Case(gen, d, nh, nkv, 13, 8, 66)
+    c = Case(gen, d, nh, nkv, 13, 8, 66, kernel=kernel)
     kc, vc = c.kc.clone(), c.vc.clone()
     counters = torch.zeros(nkv, dtype=torch.int32, device="cuda")
     for p in range(13, 35):
@@ -235,7 +252,7 @@ def test_bad_arguments_raise_with_numbers():
     pos = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def call(out=None, ws_acc=None, ws_ml=None, counters=None, qkv=None, k=kc, cs=cos, tab=table,
-             min_pps=0):
+             min_pps=0, kernel=0):
         out = torch.empty(nh, d, device="cuda").half() if out is None else out
         ws_acc = torch.empty(nh, 3, d, device="cuda") if ws_acc is None else ws_acc
         ws_ml = torch.empty(nh, 3, 2, device="cuda") if ws_ml is None else ws_ml
@@ -243,10 +260,20 @@ def test_bad_arguments_raise_with_numbers():
             else counters
         qkv = torch.zeros(1, (nh + 2 * nkv) * d, device="cuda").half() if qkv is None else qkv
         ops().attention_decode(out, ws_acc, ws_ml, counters, qkv, k, k.clone(), cs, cs.clone(),
-                               tab, pos, min_pps)
+                               tab, pos, min_pps, kernel)
 
     call()  # the baseline is valid
     call(min_pps=8192)
+    call(kernel=1)
+    # the TMA kernel's tensor maps cover the table's pages: a larger cache is refused, not read
+    with pytest.raises(RuntimeError, match=r"kernel=1 \(TMA\) needs a cache of exactly "
+                                           r"page_table's 3 pages, got 4"):
+        call(kernel=1, tab=table[:3].clone())
+    call(kernel=0, tab=table[:3].clone())  # the cp.async kernel reads any page id of the cache
+    for bad in (-1, 2, 2**31):
+        with pytest.raises(RuntimeError, match=rf"kernel={bad} must be 0 \(cp.async split-K\) "
+                                               r"or 1 \(TMA"):
+            call(kernel=bad)
     for bad in (-1, 8193, 2**31):
         with pytest.raises(RuntimeError, match=rf"min_pps={bad} must be 0 \(the default, 2 KV "
                                                r"pages per split\) or 1 to 8192"):

@@ -134,6 +134,27 @@ def test_attn_min_pps_switch_reaches_the_step(monkeypatch, min_pps):
     check_teacher_forced(ref, cuda)
 
 
+@pytest.mark.parametrize("tma", ["0", "1"])
+def test_attn_tma_switch_reaches_the_step(monkeypatch, tma):
+    """NANOQWEN_ATTN_TMA picks attention_decode's page loop for every launch of the decode and
+    verify steps (the engine's ints[11]); both agree with the fp32 oracle, and graph and eager
+    generate the same greedy tokens with either."""
+    monkeypatch.setenv("NANOQWEN_ATTN_TMA", tma)
+    ref, cuda = make_pair(helpers.TINY_UNTIED)
+    try:
+        assert cuda.switches.attn_tma is (tma == "1")
+        check_teacher_forced(ref, cuda)
+        out = {}
+        for mode in ("graph", "eager"):
+            cuda.mode = mode
+            cuda.truncate(0)
+            out[mode] = gen_tokens(cuda, list(range(3, 40)), n=80)
+        assert out["graph"] == out["eager"]
+    finally:
+        del ref, cuda
+        torch.cuda.empty_cache()
+
+
 def gen_tokens(backend, prompt, params=GREEDY, n=64, **kw):
     return [e.token_id for e in backend.generate(prompt, params, n, **kw)]
 

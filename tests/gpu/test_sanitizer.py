@@ -28,13 +28,16 @@ def sanitizer_cmd(tool: str, script: Path) -> list[str]:
             sys.executable, str(script)]
 
 
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 def test_attention_decode_sanitizer_clean(tool):
-    """attention_decode (cp.async ring, fresh-row select, last-block merge) at partial-page
-    lengths, several split counts, pos beyond the table: this file run as a script."""
+    """attention_decode, both page loops (the cp.async ring with its fresh-row select; the TMA
+    producer warp, mbarrier ring and consumer warps with their page patches), and the
+    last-block merge, at partial-page lengths, several split counts, a ring reused many times,
+    pos beyond the table: this file run as a script."""
     r = subprocess.run(sanitizer_cmd(tool, Path(__file__)), capture_output=True, text=True,
                        timeout=400)
-    print(r.stdout[-4000:], r.stderr[-4000:])
+    out = r.stdout + r.stderr
+    print(out if len(out) <= 12000 else out[:6000] + "\n[...]\n" + out[-6000:])
     assert r.returncode == 0, f"{tool} exit {r.returncode}"
     assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr or tool == "racecheck"
     if tool == "racecheck":
@@ -52,7 +55,8 @@ def _run_attention_decode() -> int:
     page = 16
     ok = True
     for d, nh, nkv, L, pages in ((128, 28, 4, 49, 8), (64, 14, 2, 17, 8), (128, 40, 8, 33, 4),
-                                 (128, 28, 4, 8 * 16 + 3, 8)):  # the last: pos beyond the table
+                                 (128, 28, 4, 8 * 16 + 3, 8),  # pos beyond the table
+                                 (128, 28, 4, 24 * 16 - 5, 24)):  # the TMA ring wraps (1 split)
         g = torch.Generator(device="cuda").manual_seed(L)
         table = torch.randperm(pages, generator=g, device="cuda").int()
         kc = torch.randn(pages, page, nkv, d, generator=g, device="cuda").half()
@@ -75,17 +79,19 @@ def _run_attention_decode() -> int:
             vv = v2[table[p // page].long(), p % page].float().repeat_interleave(nh // nkv, 1)
             sc = torch.einsum("hd,lhd->hl", q[0].float(), kk) / math.sqrt(d)
             ref = torch.einsum("hl,lhd->hd", torch.softmax(sc, -1), vv)
-            k1, v1 = kc.clone(), vc.clone()
-            cnt = torch.zeros(nkv, dtype=torch.int32, device="cuda")
-            out = torch.empty(nh, d, device="cuda").half()
-            ops.attention_decode(out, *ws, cnt, qkv, k1, v1, cos, sin, table, pos, min_pps)
-            dev = (out.float() - ref).abs()
-            close = bool((dev <= 2e-3 + 2e-3 * ref.abs()).all())
-            same = bool(torch.equal(k1, k2) and torch.equal(v1, v2))
-            print(f"d={d} nh={nh} nkv={nkv} L={L} splits={splits} min_pps={min_pps}: "
-                  f"max err {float(dev.max()):.2e} close {close} cache equal {same} "
-                  f"counters {cnt.tolist()}")
-            ok &= close and same and int(cnt.abs().sum()) == 0
+            for kernel in (0, 1):  # kAttnCpAsync, kAttnTma
+                k1, v1 = kc.clone(), vc.clone()
+                cnt = torch.zeros(nkv, dtype=torch.int32, device="cuda")
+                out = torch.empty(nh, d, device="cuda").half()
+                ops.attention_decode(out, *ws, cnt, qkv, k1, v1, cos, sin, table, pos, min_pps,
+                                     kernel)
+                dev = (out.float() - ref).abs()
+                close = bool((dev <= 2e-3 + 2e-3 * ref.abs()).all())
+                same = bool(torch.equal(k1, k2) and torch.equal(v1, v2))
+                print(f"kernel={kernel} d={d} nh={nh} nkv={nkv} L={L} splits={splits} "
+                      f"min_pps={min_pps}: max err {float(dev.max()):.2e} close {close} "
+                      f"cache equal {same} counters {cnt.tolist()}")
+                ok &= close and same and int(cnt.abs().sum()) == 0
     torch.cuda.synchronize()
     return 0 if ok else 1
 

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Issue 14 item 3 on the GPU: attention_decode's two page loops, the cp.async split-K kernel
+# (kernel 0) and the TMA warp-specialized one on tensor cores (kernel 1, NANOQWEN_ATTN_TMA=1).
+#   PART=A: install, build, tests/gpu (all of it: both kernels' op tests, compute-sanitizer
+#           memcheck / racecheck / synccheck, the verify step's bit identity with each), then
+#           the op alone at 128..32768 (bench_attention.py)
+#   PART=B: install, build, `nanoqwen bench` at 7B with each kernel: decode after 512 (the
+#           plain bench), 8192 and 30000 cached tokens
+#   PART=AB: both; PART=T: tests/gpu only (the submitted tree)
+# The JSON files come back as one $OUT/results_<PART>_<commit>.tgz, the log beside it.
+# Carry .whl (the app tests' wheels).
+#   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=A bash benchmarks/verify_attn_gpu.sh
+set -o pipefail
+export PYTHONUNBUFFERED=1 MAX_JOBS=16
+OUT=${OUT:-/tmp/out}; R="$OUT/r"; mkdir -p "$R"
+S=$(date +%s)
+t() { echo "[$(( $(date +%s) - S ))s] == $*"; }
+C=${NANOQWEN_COMMIT:-unknown}
+P=${PART:-A}
+b() {  # b TMA TAG ARGS...: one 7B bench run's JSON and its figures
+  local tma=$1 tag=$2; shift 2
+  local f="$R/bench_7b_${tag}_tma${tma}_$C.json"
+  t "bench 7b $* (NANOQWEN_ATTN_TMA=$tma)"
+  NANOQWEN_ATTN_TMA=$tma timeout 200 nanoqwen bench --synthetic 7b "$@" --json > "$f" \
+    && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([(r.get('mode'), r['test'], r.get('ttft_ms') or r.get('ms_per_token')) for r in d['rows']])" "$f"
+}
+{
+source benchmarks/device_setup.sh
+case "$P" in *A*|T) RUN_T=1;; *) RUN_T=0;; esac
+if [ "$RUN_T" = 1 ]; then
+  t "tests/gpu"; timeout ${TEST_TIMEOUT:-400} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -40
+fi
+if [[ "$P" == *A* ]]; then
+  t "bench_attention"; timeout 200 python3 benchmarks/bench_attention.py --json "$R/bench_attention_$C.json" 2>&1 | tail -40
+fi
+if [[ "$P" == *B* ]]; then
+  if [ "${LIGHT:-0}" = 1 ]; then  # a short lease: graph mode, fewer repetitions, no 30000
+    for tma in 0 1; do b $tma d0 -p 512 -n 128 -r 3 --mode graph; done
+    for tma in 0 1; do b $tma d8192 -d 8192 -p 512 -n 64 -r 2 --mode graph; done
+  else
+    for tma in 0 1; do b $tma d0 -p 512 -n 128 -r 5 --mode graph,eager; done
+    for tma in 0 1; do b $tma d8192 -d 8192 -p 512 -n 128 -r 3 --mode graph; done
+    for tma in 0 1; do b $tma d30000 -d 30000 -p 64 -n 64 -r 2 --mode graph; done
+  fi
+fi
+t "done"
+} 2>&1 | tee "$OUT/verify_attn_${P}_$C.log"
+tar czf "$OUT/results_${P}_$C.tgz" -C "$R" . && rm -rf "$R"
