@@ -906,6 +906,7 @@ class Engine : public torch::CustomClassHolder {
       return;
     }
     const int64_t H = a.H, I = a.I, nh = a.n_heads, nkv = a.n_kv, hd = a.head_dim;
+    const int64_t qn = (nh + 2 * nkv) * hd;                                     // q, k, v columns
     const auto fopt = g_[3].options(), hopt = g_[4].options(), iopt = g_[17].options();
     Tensor hidden = at::empty({T, H}, fopt);
     check_launch("prefill embed_gather", nanoqwen::embed_gather(hidden.data_ptr<float>(), a.embed,
@@ -940,12 +941,11 @@ class Engine : public torch::CustomClassHolder {
                                                           (int)H, a.eps, stream_));
         Tensor qkv;                                                               // [Tc, q+2kv]
         if (q4) {
-          qkv = at::empty({tc, (nh + 2 * nkv) * hd}, hopt);
-          const Int4Scratch sc(qkv, tc, (nh + 2 * nkv) * hd, H, false, split_counters_);
+          qkv = at::empty({tc, qn}, hopt);
+          const Int4Scratch sc(qkv, tc, qn, H, false, split_counters_);
           check_launch("prefill gemm_int4 (qkv)",
                        nanoqwen::gemm_int4(hp(qkv), chp(xn), qw(lt[2]), chp(lt[3]), chp(lt[4]),
-                                           (int)tc, (int)((nh + 2 * nkv) * hd), (int)H, sc.get(),
-                                           stream_));
+                                           (int)tc, (int)qn, (int)H, sc.get(), stream_));
         } else {
           qkv = at::linear(xn, W[0], lt[4]);
         }
