@@ -6,7 +6,7 @@ A/B measurements (README, "measurement switches"; the numbers are in benchmarks/
                                n = 1..8192 in decimal digits, default 2
     NANOQWEN_ATTN_TMA=0|1      attention_decode's page loop: 1 the TMA          backends/cuda.py
                                warp-specialized kernel on tensor cores, 0 the
-                               cp.async split-K kernel; default 0
+                               cp.async split-K kernel; default 1
     NANOQWEN_INT4_MAX_M=n      with prefill weights "dequant" (no resident fp16  backends/cuda.py
                                copy), prompt chunks of at most n tokens go
                                through gemm_int4 on the INT4 weights instead;
@@ -37,10 +37,12 @@ from .errors import NanoqwenError
 PDL = "NANOQWEN_PDL"
 ATTN_MIN_PPS = "NANOQWEN_ATTN_MIN_PPS"
 ATTN_TMA = "NANOQWEN_ATTN_TMA"
-# off until the tensor-map version has run: session 19's raw-copy version was faster than the
-# cp.async kernel at every context of bench_attention.py (H100, 128 to 32768 tokens), but
-# racecheck flagged it (benchmarks/RESULTS.md, session 19); 1 measures it
-ATTN_TMA_DEFAULT = False
+# on: the tensor-map TMA kernel is faster than the cp.async one at every context measured
+# (bench_attention.py, H100, 128 to 32768 tokens: 7.3 against 7.6 us at 512, 16.9 against 19.1
+# at 8192, 33.8 against 42.5 at 32768), the 7B decode after 8192 / 30000 cached tokens 2.565 /
+# 2.811 against 2.705 / 3.104 ms/token, and compute-sanitizer clean (benchmarks/RESULTS.md,
+# session 20); 0 measures the cp.async kernel
+ATTN_TMA_DEFAULT = True
 # switches that existed and were removed: variable -> why (read_switches refuses them when set)
 REMOVED = {
     "NANOQWEN_FUSE_NORM": "the fused-norm GEMVs it selected decoded at 1.93 ms/token against 1.89 "
