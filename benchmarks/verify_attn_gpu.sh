@@ -6,7 +6,12 @@
 #           the op alone at 128..32768 (bench_attention.py)
 #   PART=B: install, build, `nanoqwen bench` at 7B with each kernel: decode after 512 (the
 #           plain bench), 8192 and 30000 cached tokens
-#   PART=AB: both; PART=T: tests/gpu only (the submitted tree)
+#   PART=S: install, build, the op's split sweep (bench_attention.py, 128..32768, the TMA
+#           kernel at 33 and 66 splits and min_pps 1-8, the cp.async kernel at its default)
+#   PART=P: install, build, the 7B bench with the TMA kernel at the engine's splits and at about
+#           33 splits (NANOQWEN_ATTN_MIN_PPS = the pages a split 33 splits give at that depth)
+#   PART=T: tests/gpu; letters combine (PART=TSP); AB runs tests/gpu too
+#   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=TSP bash benchmarks/verify_attn_gpu.sh
 # The JSON files come back as one $OUT/results_<PART>_<commit>.tgz, the log beside it.
 # Carry .whl (the app tests' wheels).
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=A bash benchmarks/verify_attn_gpu.sh
@@ -26,12 +31,25 @@ b() {  # b TMA TAG ARGS...: one 7B bench run's JSON and its figures
 }
 {
 source benchmarks/device_setup.sh
-case "$P" in *A*|T) RUN_T=1;; *) RUN_T=0;; esac
+case "$P" in *A*|*T*) RUN_T=1;; *) RUN_T=0;; esac
 if [ "$RUN_T" = 1 ]; then
   t "tests/gpu"; timeout ${TEST_TIMEOUT:-400} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -40
 fi
 if [[ "$P" == *A* ]]; then
   t "bench_attention"; timeout 200 python3 benchmarks/bench_attention.py --json "$R/bench_attention_$C.json" 2>&1 | tail -40
+fi
+if [[ "$P" == *S* ]]; then
+  t "split sweep"
+  timeout 300 python3 benchmarks/bench_attention.py --contexts 128,256,512,1024,2048,4096,8192,16384,32768 \
+    --sweep 66:2:0,66:1:1,66:2:1,66:4:1,66:8:1,33:1:1,33:2:1,33:4:1 --json "$R/sweep_attn_$C.json" 2>&1 | tail -80
+fi
+if [[ "$P" == *P* ]]; then  # d2048: 132-140 pages (33 splits: 4-5 a split); d8192: 544-552
+  # (17); d30000: 1879-1883 (57); after a 512-token prompt both policies give 2 a split
+  b 1 d0 -p 512 -n 128 -r 5 --mode graph
+  b 0 d0 -p 512 -n 128 -r 5 --mode graph
+  for mp in 2 4; do NANOQWEN_ATTN_MIN_PPS=$mp b 1 d2048_mpps$mp -d 2048 -p 64 -n 128 -r 3 --mode graph; done
+  for mp in 2 17; do NANOQWEN_ATTN_MIN_PPS=$mp b 1 d8192_mpps$mp -d 8192 -p 512 -n 128 -r 3 --mode graph; done
+  for mp in 2 57; do NANOQWEN_ATTN_MIN_PPS=$mp b 1 d30000_mpps$mp -d 30000 -p 64 -n 64 -r 2 --mode graph; done
 fi
 if [[ "$P" == *B* ]]; then
   if [ "${LIGHT:-0}" = 1 ]; then  # a short lease: graph mode, fewer repetitions, no 30000
