@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import statistics
 import sys
 from pathlib import Path
@@ -134,14 +133,12 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))
     if a.json:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True, cwd=Path(__file__).resolve().parent).stdout.strip()
-        except OSError:
-            commit = ""
+        from nanoqwen.engine.bench import _commit  # NANOQWEN_COMMIT on the device (no .git)
+
+        commit = _commit()
         Path(a.json).write_text(json.dumps({
             "bench": "bench_attention", "date": datetime.date.today().isoformat(),
-            "device": torch.cuda.get_device_name(0), "commit": commit or None,
+            "device": torch.cuda.get_device_name(0), "commit": commit,
             "shape": {"heads": nh, "kv_heads": nkv, "head_dim": d, "layers": a.layers},
             "pdl": os.environ.get("NANOQWEN_PDL", "1"), "method": "CUDA graph of 50 calls, each on "
             "another layer's cache, median of 7 replays", "rows": records}, indent=1) + "\n")
