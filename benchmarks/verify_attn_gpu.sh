@@ -8,8 +8,8 @@
 #           plain bench), 8192 and 30000 cached tokens
 #   PART=S: install, build, the op's split sweep (bench_attention.py, 128..32768, the TMA
 #           kernel at 33 and 66 splits and min_pps 1-8, the cp.async kernel at its default)
-#   PART=P: install, build, the 7B bench with the TMA kernel at the engine's splits and at about
-#           33 splits (NANOQWEN_ATTN_MIN_PPS = the pages a split 33 splits give at that depth)
+#   PART=P: install, build, the 7B bench with each kernel at its engine policy (TMA: one block
+#           an SM, cp.async: two) after 2048, 8192 and 30000 cached tokens and a 512 prompt
 #   PART=T: tests/gpu; letters combine (PART=TSP); AB runs tests/gpu too
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=TSP bash benchmarks/verify_attn_gpu.sh
 # The JSON files come back as one $OUT/results_<PART>_<commit>.tgz, the log beside it.
@@ -43,13 +43,10 @@ if [[ "$P" == *S* ]]; then
   timeout 300 python3 benchmarks/bench_attention.py --contexts 128,256,512,1024,2048,4096,8192,16384,32768 \
     --sweep 66:2:0,66:1:1,66:2:1,66:4:1,66:8:1,33:1:1,33:2:1,33:4:1 --json "$R/sweep_attn_$C.json" 2>&1 | tail -80
 fi
-if [[ "$P" == *P* ]]; then  # d2048: 132-140 pages (33 splits: 4-5 a split); d8192: 544-552
-  # (17); d30000: 1879-1883 (57); after a 512-token prompt both policies give 2 a split
-  b 1 d0 -p 512 -n 128 -r 5 --mode graph
-  b 0 d0 -p 512 -n 128 -r 5 --mode graph
-  for mp in 2 4; do NANOQWEN_ATTN_MIN_PPS=$mp b 1 d2048_mpps$mp -d 2048 -p 64 -n 128 -r 3 --mode graph; done
-  for mp in 2 17; do NANOQWEN_ATTN_MIN_PPS=$mp b 1 d8192_mpps$mp -d 8192 -p 512 -n 128 -r 3 --mode graph; done
-  for mp in 2 57; do NANOQWEN_ATTN_MIN_PPS=$mp b 1 d30000_mpps$mp -d 30000 -p 64 -n 64 -r 2 --mode graph; done
+if [[ "$P" == *P* ]]; then  # the engine's policies: TMA 33 splits (1 block an SM), cp.async 66
+  for d in 2048 8192; do for tma in 1 0; do b $tma d$d -d $d -p 64 -n 128 -r 3 --mode graph; done; done
+  for tma in 1 0; do b $tma d30000 -d 30000 -p 64 -n 64 -r 2 --mode graph; done
+  for tma in 1 0; do b $tma d0 -p 512 -n 128 -r 5 --mode graph,eager; done
 fi
 if [[ "$P" == *B* ]]; then
   if [ "${LIGHT:-0}" = 1 ]; then  # a short lease: graph mode, fewer repetitions, no 30000
