@@ -38,15 +38,15 @@ fi
 if [[ "$P" == *A* ]]; then
   t "bench_attention"; timeout 200 python3 benchmarks/bench_attention.py --json "$R/bench_attention_$C.json" 2>&1 | tail -40
 fi
-if [[ "$P" == *S* ]]; then
-  t "split sweep"
-  timeout 300 python3 benchmarks/bench_attention.py --contexts 128,256,512,1024,2048,4096,8192,16384,32768 \
-    --sweep 66:2:0,66:1:1,66:2:1,66:4:1,66:8:1,33:1:1,33:2:1,33:4:1 --json "$R/sweep_attn_$C.json" 2>&1 | tail -80
-fi
 if [[ "$P" == *P* ]]; then  # the engine's policies: TMA 33 splits (1 block an SM), cp.async 66
   for d in 2048 8192; do for tma in 1 0; do b $tma d$d -d $d -p 64 -n 128 -r 3 --mode graph; done; done
   for tma in 1 0; do b $tma d30000 -d 30000 -p 64 -n 64 -r 2 --mode graph; done
   for tma in 1 0; do b $tma d0 -p 512 -n 128 -r 5 --mode graph,eager; done
+fi
+if [[ "$P" == *S* ]]; then
+  t "split sweep"
+  timeout 300 python3 benchmarks/bench_attention.py --contexts 128,256,512,1024,2048,4096,8192,16384,32768 \
+    --sweep 66:2:0,66:1:1,66:2:1,66:4:1,66:8:1,33:1:1,33:2:1,33:4:1 --json "$R/sweep_attn_$C.json" 2>&1 | tail -80
 fi
 if [[ "$P" == *B* ]]; then
   if [ "${LIGHT:-0}" = 1 ]; then  # a short lease: graph mode, fewer repetitions, no 30000
