@@ -7,7 +7,8 @@
 #   PART=B: install, build, `nanoqwen bench` at 7B with each kernel: decode after 512 (the
 #           plain bench), 8192 and 30000 cached tokens
 #   PART=S: install, build, the op's split sweep (bench_attention.py, 128..32768, the TMA
-#           kernel at 33 and 66 splits and min_pps 1-8, the cp.async kernel at its default)
+#           kernel at 33 and 66 splits and min_pps 1-8, the cp.async kernel at its default;
+#           SWEEP_CTX, SWEEP (S:min_pps:kernel,...) and SWEEP_LAYERS narrow it)
 #   PART=P: install, build, the 7B bench with each kernel at its engine policy (TMA: one block
 #           an SM, cp.async: two) after 2048, 8192 and 30000 cached tokens and a 512 prompt
 #   PART=T: tests/gpu; letters combine (PART=TSP); AB runs tests/gpu too
@@ -45,8 +46,10 @@ if [[ "$P" == *P* ]]; then  # the engine's policies: TMA 33 splits (1 block an S
 fi
 if [[ "$P" == *S* ]]; then
   t "split sweep"
-  timeout 300 python3 benchmarks/bench_attention.py --contexts 128,256,512,1024,2048,4096,8192,16384,32768 \
-    --sweep 66:2:0,66:1:1,66:2:1,66:4:1,66:8:1,33:1:1,33:2:1,33:4:1 --json "$R/sweep_attn_$C.json" 2>&1 | tail -80
+  timeout 300 python3 benchmarks/bench_attention.py \
+    --contexts ${SWEEP_CTX:-128,256,512,1024,2048,4096,8192,16384,32768} \
+    --sweep ${SWEEP:-66:2:0,66:1:1,66:2:1,66:4:1,66:8:1,33:1:1,33:2:1,33:4:1} \
+    --layers ${SWEEP_LAYERS:-28} --json "$R/sweep_attn_$C.json" 2>&1 | tail -80
 fi
 if [[ "$P" == *B* ]]; then
   if [ "${LIGHT:-0}" = 1 ]; then  # a short lease: graph mode, fewer repetitions, no 30000
