@@ -96,7 +96,7 @@ def main() -> None:
         f = torch.arange(pages * 16, device="cuda").float()[:, None] * inv[None]
         cos, sin = f.cos().contiguous(), f.sin().contiguous()
         pos = torch.tensor([L - 1], dtype=torch.int32, device="cuda")
-        S_eng = max(1, min(pages, -(-2 * sms // nkv)))  # the cp.async kernel's engine splits
+        S_eng = max(1, min(pages, -(-2 * sms // nkv)))  # engine/backends/cuda.py's formula
         out = torch.empty(nh, d, device="cuda").half()
         q = torch.empty(1, nh, d, device="cuda").half()
         ws = torch.empty(nh, S_eng, d, device="cuda"), torch.empty(nh, S_eng, 2, device="cuda")

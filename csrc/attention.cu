@@ -102,10 +102,10 @@ __device__ __forceinline__ void finish_split(half* __restrict__ out, float* __re
   __threadfence();      // acquire side: other blocks' ws writes are read after the count
   // Thread t owns 4 dims (float4) of heads g = t / TPH + k * HPB. Splits come in chunks whose
   // (m, l) are staged in shared memory by one parallel load (a serial loop over L2 loads was
-  // ~0.4 us per split); the acc loads of kMergeBatch splits of each of its heads are in flight
-  // at once. Per element this is the merge formula above, in split order (chunks > 1 only past
-  // kMergeChunk splits, then the running sum is rescaled once per chunk).
-  constexpr int TPH = HD / 4, HPB = NT / TPH, HPT = (G + HPB - 1) / HPB, kMergeBatch = 8;
+  // ~0.4 us per split); the acc loads of 16 splits are in flight at once. Per element this is
+  // the merge formula above, in split order (chunks > 1 only past kMergeChunk splits, then the
+  // running sum is rescaled once per chunk).
+  constexpr int TPH = HD / 4, HPB = NT / TPH, HPT = (G + HPB - 1) / HPB;
   float* s_mm = s_merge;  // [G][kMergeChunk] maxima, then sums
   float* s_ll = s_mm + G * kMergeChunk;
   const int d4 = (tid % TPH) * 4, gq = tid / TPH;
@@ -128,7 +128,6 @@ __device__ __forceinline__ void finish_split(half* __restrict__ out, float* __re
       s_ll[g * kMergeChunk + sp] = ml.y;
     }
     __syncthreads();
-    // the chunk's maximum per head, the running (o, L) rescaled to it
 #pragma unroll
     for (int k = 0; k < HPT; ++k) {
       const int g = gq + k * HPB;
@@ -140,39 +139,17 @@ __device__ __forceinline__ void finish_split(half* __restrict__ out, float* __re
         L[k] *= f0;
         o[k].x *= f0; o[k].y *= f0; o[k].z *= f0; o[k].w *= f0;
         M[k] = mc;
-      }
-    }
-    // then the splits in batches of kMergeBatch, every load of a batch (all HPT heads) issued
-    // before any is used: a loop over cn with `#pragma unroll 16` ran its remainder one L2
-    // round trip a split (8, 11 or 22 active splits cost 2-5 us more than 16 or 32: RESULTS.md,
-    // session 20). Per element the same operations in split order: deterministic.
-    for (int b0 = 0; b0 < cn; b0 += kMergeBatch) {
-      float4 a[HPT][kMergeBatch];
-#pragma unroll
-      for (int k = 0; k < HPT; ++k) {
-        const int g = gq + k * HPB;
         const float4* ac = reinterpret_cast<const float4*>(
-            ws_acc + ((size_t)(head0 + min(g, G - 1)) * num_splits + c0 + b0) * HD + d4);
-#pragma unroll
-        for (int j = 0; j < kMergeBatch; ++j)
-          a[k][j] = g < G && b0 + j < cn ? __ldcg(ac + (size_t)j * (HD / 4))
-                                         : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int k = 0; k < HPT; ++k) {
-        const int g = gq + k * HPB;
-        if (g < G) {
-#pragma unroll
-          for (int j = 0; j < kMergeBatch; ++j) {
-            if (b0 + j < cn) {
-              const float f = exp2f(s_mm[g * kMergeChunk + b0 + j] - M[k]);
-              L[k] = fmaf(s_ll[g * kMergeChunk + b0 + j], f, L[k]);
-              o[k].x = fmaf(a[k][j].x, f, o[k].x);
-              o[k].y = fmaf(a[k][j].y, f, o[k].y);
-              o[k].z = fmaf(a[k][j].z, f, o[k].z);
-              o[k].w = fmaf(a[k][j].w, f, o[k].w);
-            }
-          }
+            ws_acc + ((size_t)(head0 + g) * num_splits + c0) * HD + d4);
+#pragma unroll 16
+        for (int sp = 0; sp < cn; ++sp) {  // split order: deterministic
+          const float f = exp2f(s_mm[g * kMergeChunk + sp] - mc);
+          const float4 a = __ldcg(ac + (size_t)sp * (HD / 4));
+          L[k] = fmaf(s_ll[g * kMergeChunk + sp], f, L[k]);
+          o[k].x = fmaf(a.x, f, o[k].x);
+          o[k].y = fmaf(a.y, f, o[k].y);
+          o[k].z = fmaf(a.z, f, o[k].z);
+          o[k].w = fmaf(a.w, f, o[k].w);
         }
       }
     }
