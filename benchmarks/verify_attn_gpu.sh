@@ -17,13 +17,7 @@
 # The JSON files come back as one $OUT/results_<PART>_<commit>.tgz, the log beside it.
 # Carry .whl (the app tests' wheels).
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=A bash benchmarks/verify_attn_gpu.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 MAX_JOBS=16
-OUT=${OUT:-/tmp/out}; R="$OUT/r"; mkdir -p "$R"
-S=$(date +%s)
-t() { echo "[$(( $(date +%s) - S ))s] == $*"; }
-C=${NANOQWEN_COMMIT:-unknown}
-P=${PART:-A}
+source benchmarks/device_prelude.sh
 b() {  # b TMA TAG ARGS...: one 7B bench run's JSON and its figures
   local tma=$1 tag=$2; shift 2
   local f="$R/bench_7b_${tag}_tma${tma}_$C.json"

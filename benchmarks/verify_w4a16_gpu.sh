@@ -11,13 +11,7 @@
 # The JSON files go to $OUT/r and come back as one $OUT/results_<PART>_<commit>.tgz (the device
 # returns at most 8 files); the log beside it. Carry .whl (the app tests' wheels).
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=A bash benchmarks/verify_w4a16_gpu.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 MAX_JOBS=16
-OUT=${OUT:-/tmp/out}; R="$OUT/r"; mkdir -p "$R"
-S=$(date +%s)
-t() { echo "[$(( $(date +%s) - S ))s] == $*"; }
-C=${NANOQWEN_COMMIT:-unknown}
-P=${PART:-A}
+source benchmarks/device_prelude.sh
 pf() {  # pf TAG PRESET WEIGHTS ARGS...: one bench run's JSON and its figures
   local tag=$1 p=$2 w=$3; shift 3
   local f="$R/bench_${p}_pf_${w}${tag}_$(echo "$*" | tr -d ' -')_$C.json"
