@@ -3,6 +3,11 @@
 // It replaced rope_kv_write + paged_attention (split + combine kernels; now in
 // benchmarks/lab/attention_lab.cu) in the decode step: RESULTS.md, "Fused decode attention".
 //
+// Two page loops share the grid, the splits, the prologue and the merge (finish_split): the
+// warp-specialized TMA kernel on tensor cores (attn_decode_tma_kernel, below; the engine's
+// default since session 20: faster at every context measured, RESULTS.md) and the cp.async
+// kernel this header describes (NANOQWEN_ATTN_TMA=0, the A/B).
+//
 // Grid (n_kv, num_splits), 4 warps a block; the block of kv head h serves the G = n_heads/n_kv
 // query heads that read h, so each K/V row is loaded once for all of them. Split s of kv head h
 // takes pages [s*pps, s*pps + pps) with pps = max(ceil(pages / num_splits), min_pps) (min_pps,
@@ -415,9 +420,11 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
 // ---- the warp-specialized kernel: TMA bulk copies into an mbarrier ring, tensor-core math ------
 // Same grid, splits, prologue (pos, pages, RoPE of q, the fresh k/v of pos) and end
 // (finish_split) as attn_decode_kernel; the page loop differs. Warp kTmaConsumers (the producer)
-// copies each page's 16 K rows and 16 V rows with cp.async.bulk (one row per lane, completing on
-// the stage's `full` mbarrier with a transaction count) into a kTmaStages-deep ring, refilling a
-// stage once its consumer has arrived on the stage's `empty` mbarrier. Consumer warp w takes the
+// copies each page's K and V through the caches' tensor maps (cp.async.bulk.tensor, HD/64 boxes
+// of 16 tokens x 64 dims each, 128-byte swizzle; TmaRing), completing on the stage's `full`
+// mbarrier with a transaction count, into a kTmaStages-deep ring, refilling a stage once its
+// consumer has arrived on the stage's `empty` mbarrier; the page ids come 32 at a time into the
+// producer's lanes, the next window a window ahead. Consumer warp w takes the
 // split's pages w, w + kTmaConsumers, ...: S = Q K^T by mma.sync m16n8k16 (A = the G rotated
 // query heads as rows, rows G..15 zero; B = 8 tokens of K by ldmatrix), an online softmax in base
 // 2 per head row (fp32), then O += P V (A = P rounded to fp16, the accumulator layout of S reused
