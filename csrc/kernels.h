@@ -111,10 +111,10 @@ constexpr int kDecMinPpsMax = 8192;
 // kernel: which page loop runs (the same splits, prologue and merge either way):
 //   kAttnCpAsync  4 warps stream pages through a cp.async ring, fp32 FMA dot products
 //   kAttnTma      (the engine's default) a producer warp copies pages through tensor maps
-//                 (cp.async.bulk.tensor, TMA)
-//                 into an mbarrier ring, 4 consumer warps do QK^T and PV on tensor cores
-//                 (mma.sync m16n8k16); the maps cover table_len pages, so every page id in the
-//                 table must be < table_len (the engine's caches hold exactly table_len pages)
+//                 (cp.async.bulk.tensor, TMA) into an mbarrier ring, 4 consumer warps do QK^T
+//                 and PV on tensor cores (mma.sync m16n8k16); the maps cover table_len pages,
+//                 so every page id in the table must be < table_len (the engine's caches hold
+//                 exactly table_len pages)
 // anything else fails without launching.
 constexpr int kAttnCpAsync = 0;
 constexpr int kAttnTma = 1;

@@ -1,9 +1,9 @@
 """The measurement switches (engine/switches.py): every accepted and rejected form of
-NANOQWEN_PDL, NANOQWEN_ATTN_TMA, NANOQWEN_ATTN_MIN_PPS and NANOQWEN_INT4_MAX_M, the removed NANOQWEN_FUSE_NORM
-refused when set, the C++ side's constants, and a bad value reaching the user as a message
-(CUDA backend init, loader, CLI, app) instead of a traceback or a silent fallback. CPU only:
-where a path needs CUDA, torch.cuda.is_available is patched to True and the check fires before
-anything touches the device."""
+NANOQWEN_PDL, NANOQWEN_ATTN_TMA, NANOQWEN_ATTN_MIN_PPS and NANOQWEN_INT4_MAX_M, the removed
+NANOQWEN_FUSE_NORM refused when set, the C++ side's constants, and a bad value reaching the user
+as a message (CUDA backend init, loader, CLI, app) instead of a traceback or a silent fallback.
+CPU only: where a path needs CUDA, torch.cuda.is_available is patched to True and the check
+fires before anything touches the device."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from nanoqwen.engine import loader
 from nanoqwen.engine.cli import main
 from nanoqwen.engine.errors import BackendUnavailable, NanoqwenError
 from nanoqwen.engine.switches import (ATTN_MIN_PPS, ATTN_MIN_PPS_DEFAULT, ATTN_MIN_PPS_MAX,
-                                      ATTN_TMA, ATTN_TMA_DEFAULT, INT4_MAX_M, INT4_MAX_M_DEFAULT, INT4_MAX_M_MAX, PDL,
-                                      REMOVED, SwitchError, Switches, read_switches)
+                                      ATTN_TMA, ATTN_TMA_DEFAULT, INT4_MAX_M, INT4_MAX_M_DEFAULT,
+                                      INT4_MAX_M_MAX, PDL, REMOVED, SwitchError, Switches,
+                                      read_switches)
 
 FLAGS = [(PDL, "pdl", True), (ATTN_TMA, "attn_tma", ATTN_TMA_DEFAULT)]  # (variable, field, default)
 FUSE_NORM = "NANOQWEN_FUSE_NORM"  # removed: refused when set
@@ -84,7 +85,7 @@ def test_counts_accept_their_range(env, name, field, value, expected):
 
 
 @pytest.mark.parametrize("name,lo,hi,default,value",
-                         [(*c[0:1], *c[2:5], v) for c in COUNTS for v in c[6]])
+                         [(c[0], c[2], c[3], c[4], v) for c in COUNTS for v in c[6]])
 def test_counts_reject_anything_else(env, name, lo, hi, default, value):
     env(name, value)
     with pytest.raises(SwitchError) as ei:
