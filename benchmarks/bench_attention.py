@@ -83,8 +83,9 @@ def main() -> None:
     nh, nkv, d = a.heads, a.kv_heads, a.head_dim
     ops = torch.ops.nanoqwen
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    variants = [tuple(int(x) for x in (v + ":0").split(":")[:3]) if v.count(":") == 1
-                else tuple(int(x) for x in v.split(":")) for v in a.sweep.split(",")]
+    # S:min_pps[:kernel], the kernel 0 where left out (a fourth field fails the unpacking below)
+    variants = [tuple(int(x) for x in v.split(":")) + ((0,) if v.count(":") == 1 else ())
+                for v in a.sweep.split(",")]
     rows, records = [], []
     for L in (int(x) for x in a.contexts.split(",")):
         pages = -(-L // 16)
