@@ -64,6 +64,88 @@ __device__ __forceinline__ void half8_to_float(float (&f)[8], uint4 u) {
   }
 }
 
+// The start of a split block, shared by both kernels. MQ (the verify step): blockIdx.z is query
+// i at position pos + i, with its own slices of qkv, out, ws and counters.
+template <int HD, bool MQ>
+__device__ __forceinline__ void query_slices(const half* __restrict__& qkv,
+                                             half* __restrict__& out,
+                                             float* __restrict__& ws_acc,
+                                             float* __restrict__& ws_ml,
+                                             int32_t* __restrict__& counters, int n_heads,
+                                             int n_kv, int num_splits) {
+  if constexpr (MQ) {
+    const int qi = blockIdx.z;
+    qkv += (size_t)qi * (n_heads + 2 * n_kv) * HD;
+    out += (size_t)qi * n_heads * HD;
+    ws_acc += (size_t)qi * n_heads * num_splits * HD;
+    ws_ml += (size_t)qi * n_heads * num_splits * 2;
+    counters += (size_t)qi * n_kv;
+  }
+}
+
+// This split's pages and tokens: p the position (the query's, for MQ), len the tokens attended
+// (positions past the table's end are not in the cache: len stops there), pps pages a split
+// (at least min_pps), n_active splits with pages; pages [p_begin, p_end) (np of them) and tokens
+// below t_end are this block's; new_t = p where this block holds pos and pos is in the table
+// (its k/v row is written by this block), else -1; p_tab the RoPE table row of p (clamped).
+// Reads only pos_ptr, written >= 2 launches back (before griddep_wait in the decode step).
+struct SplitSpan {
+  int p, n_pages, n_active, p_begin, p_end, np, t_end, new_t, p_tab;
+};
+template <bool MQ>
+__device__ __forceinline__ SplitSpan split_span(const int32_t* pos_ptr, int table_len,
+                                                int num_splits, int min_pps, int split) {
+  SplitSpan s;
+  s.p = pos_ptr[0] + (MQ ? (int)blockIdx.z : 0);
+  const int cap = table_len * kPageSize;
+  const int len = max(min(s.p + 1, cap), 1);
+  s.n_pages = (len + kPageSize - 1) / kPageSize;
+  const int pps = max((s.n_pages + num_splits - 1) / num_splits, min_pps);
+  s.n_active = (s.n_pages + pps - 1) / pps;
+  s.p_begin = split * pps;
+  s.p_end = min(s.p_begin + pps, s.n_pages);
+  s.np = s.p_end - s.p_begin;
+  s.t_end = min(s.p_end * kPageSize, len);
+  const bool in_cache = s.p >= 0 && s.p < cap;
+  s.new_t = !MQ && in_cache && s.p >= s.p_begin * kPageSize && s.p < s.t_end ? s.p : -1;
+  s.p_tab = s.p < 0 ? 0 : (s.p < cap ? s.p : cap - 1);
+  return s;
+}
+
+// The decode step's fresh k/v row of kv head kvh at position p (new_t >= 0: this block holds
+// it): k rotated as rope_kv_write rounds it, v as is, into the cache and into s_knew / s_vnew
+// for the page loop. All NT threads of the block call it; no barrier inside.
+template <int HD, int NT>
+__device__ __forceinline__ void write_fresh_kv(half* __restrict__ k_cache,
+                                               half* __restrict__ v_cache, half* s_knew,
+                                               half* s_vnew, const half* __restrict__ qkv,
+                                               const float* __restrict__ cos_table,
+                                               const float* __restrict__ sin_table,
+                                               const int32_t* __restrict__ page_table, int p,
+                                               int p_tab, int kvh, int n_heads, int n_kv) {
+  constexpr int half_d = HD / 2;
+  const int tid = threadIdx.x;
+  const size_t slot = ((size_t)page_table[p / kPageSize] * kPageSize + p % kPageSize) *
+                          ((size_t)n_kv * HD) + (size_t)kvh * HD;
+  const half* xk = qkv + (size_t)(n_heads + kvh) * HD;
+  const half* xv = qkv + (size_t)(n_heads + n_kv + kvh) * HD;
+  for (int d = tid; d < half_d; d += NT) {
+    half lo, hi;
+    rope_pair(__half2float(xk[d]), __half2float(xk[d + half_d]),
+              cos_table[(size_t)p_tab * half_d + d], sin_table[(size_t)p_tab * half_d + d],
+              lo, hi);
+    k_cache[slot + d] = lo;
+    k_cache[slot + d + half_d] = hi;
+    s_knew[d] = lo;
+    s_knew[d + half_d] = hi;
+  }
+  for (int d = tid; d < HD; d += NT) {
+    const half v = xv[d];
+    v_cache[slot + d] = v;
+    s_vnew[d] = v;
+  }
+}
+
 // The end of a split block, shared by both kernels: the per-warp partials (s_wm / s_wl [NW][G],
 // s_wacc [NW][G][HD], in shared memory, published by a barrier every thread passed) merged into
 // the split's (m, l, acc) in ws; then the last active split block of kv head kvh merges all
@@ -107,10 +189,10 @@ __device__ __forceinline__ void finish_split(half* __restrict__ out, float* __re
   __threadfence();      // acquire side: other blocks' ws writes are read after the count
   // Thread t owns 4 dims (float4) of heads g = t / TPH + k * HPB. Splits come in chunks whose
   // (m, l) are staged in shared memory by one parallel load (a serial loop over L2 loads was
-  // ~0.4 us per split); the acc loads of 16 splits are in flight at once. Per element this is
-  // the merge formula above, in split order (chunks > 1 only past kMergeChunk splits, then the
-  // running sum is rescaled once per chunk).
-  constexpr int TPH = HD / 4, HPB = NT / TPH, HPT = (G + HPB - 1) / HPB;
+  // ~0.4 us per split); the acc loads of kMergeBatch splits of each of its heads are in flight
+  // at once. Per element this is the merge formula above, in split order (chunks > 1 only past
+  // kMergeChunk splits, then the running sum is rescaled once per chunk).
+  constexpr int TPH = HD / 4, HPB = NT / TPH, HPT = (G + HPB - 1) / HPB, kMergeBatch = 8;
   float* s_mm = s_merge;  // [G][kMergeChunk] maxima, then sums
   float* s_ll = s_mm + G * kMergeChunk;
   const int d4 = (tid % TPH) * 4, gq = tid / TPH;
@@ -133,6 +215,7 @@ __device__ __forceinline__ void finish_split(half* __restrict__ out, float* __re
       s_ll[g * kMergeChunk + sp] = ml.y;
     }
     __syncthreads();
+    // the chunk's maximum per head, the running (o, L) rescaled to it
 #pragma unroll
     for (int k = 0; k < HPT; ++k) {
       const int g = gq + k * HPB;
@@ -144,17 +227,39 @@ __device__ __forceinline__ void finish_split(half* __restrict__ out, float* __re
         L[k] *= f0;
         o[k].x *= f0; o[k].y *= f0; o[k].z *= f0; o[k].w *= f0;
         M[k] = mc;
+      }
+    }
+    // then the splits in batches of kMergeBatch, every load of a batch (all HPT heads) issued
+    // before any is used: a loop over cn with `#pragma unroll 16` ran its remainder one L2
+    // round trip a split (8, 11 or 22 active splits cost 2-5 us more than 16 or 32: RESULTS.md,
+    // session 20). Per element the same operations in split order: deterministic.
+    for (int b0 = 0; b0 < cn; b0 += kMergeBatch) {
+      float4 a[HPT][kMergeBatch];
+#pragma unroll
+      for (int k = 0; k < HPT; ++k) {
+        const int g = gq + k * HPB;
         const float4* ac = reinterpret_cast<const float4*>(
-            ws_acc + ((size_t)(head0 + g) * num_splits + c0) * HD + d4);
-#pragma unroll 16
-        for (int sp = 0; sp < cn; ++sp) {  // split order: deterministic
-          const float f = exp2f(s_mm[g * kMergeChunk + sp] - mc);
-          const float4 a = __ldcg(ac + (size_t)sp * (HD / 4));
-          L[k] = fmaf(s_ll[g * kMergeChunk + sp], f, L[k]);
-          o[k].x = fmaf(a.x, f, o[k].x);
-          o[k].y = fmaf(a.y, f, o[k].y);
-          o[k].z = fmaf(a.z, f, o[k].z);
-          o[k].w = fmaf(a.w, f, o[k].w);
+            ws_acc + ((size_t)(head0 + min(g, G - 1)) * num_splits + c0 + b0) * HD + d4);
+#pragma unroll
+        for (int j = 0; j < kMergeBatch; ++j)
+          a[k][j] = g < G && b0 + j < cn ? __ldcg(ac + (size_t)j * (HD / 4))
+                                         : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int k = 0; k < HPT; ++k) {
+        const int g = gq + k * HPB;
+        if (g < G) {
+#pragma unroll
+          for (int j = 0; j < kMergeBatch; ++j) {
+            if (b0 + j < cn) {
+              const float f = exp2f(s_mm[g * kMergeChunk + b0 + j] - M[k]);
+              L[k] = fmaf(s_ll[g * kMergeChunk + b0 + j], f, L[k]);
+              o[k].x = fmaf(a[k][j].x, f, o[k].x);
+              o[k].y = fmaf(a[k][j].y, f, o[k].y);
+              o[k].z = fmaf(a[k][j].z, f, o[k].z);
+              o[k].w = fmaf(a[k][j].w, f, o[k].w);
+            }
+          }
         }
       }
     }
@@ -211,29 +316,12 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   constexpr int half_d = HD / 2;
 
-  if constexpr (MQ) {  // this query's slices
-    const int qi = blockIdx.z;
-    qkv += (size_t)qi * (n_heads + 2 * n_kv) * HD;
-    out += (size_t)qi * n_heads * HD;
-    ws_acc += (size_t)qi * n_heads * num_splits * HD;
-    ws_ml += (size_t)qi * n_heads * num_splits * 2;
-    counters += (size_t)qi * n_kv;
-  }
+  query_slices<HD, MQ>(qkv, out, ws_acc, ws_ml, counters, n_heads, n_kv, num_splits);
   // ---- before griddep_wait: only data written >= 2 launches back ----
-  const int p = pos_ptr[0] + (MQ ? (int)blockIdx.z : 0);
-  const int cap = table_len * kPageSize;
-  const int len = max(min(p + 1, cap), 1);
-  const int n_pages = (len + kPageSize - 1) / kPageSize;
-  const int pps = max((n_pages + num_splits - 1) / num_splits, min_pps);
-  const int n_active = (n_pages + pps - 1) / pps;
-  const int p_begin = split * pps;
-  if (p_begin >= n_pages) return;  // empty split: whole block, before any barrier or write
-  const int p_end = min(p_begin + pps, n_pages);
-  const int np = p_end - p_begin;
-  const int t_end = min(p_end * kPageSize, len);
-  const bool in_cache = p >= 0 && p < cap;
-  const int new_t = !MQ && in_cache && p >= p_begin * kPageSize && p < t_end ? p : -1;
-  const int p_tab = p < 0 ? 0 : (p < cap ? p : cap - 1);
+  const SplitSpan sp = split_span<MQ>(pos_ptr, table_len, num_splits, min_pps, split);
+  if (sp.p_begin >= sp.n_pages) return;  // empty split: whole block, before any barrier or write
+  const int p = sp.p, n_active = sp.n_active, p_begin = sp.p_begin, np = sp.np;
+  const int t_end = sp.t_end, new_t = sp.new_t, p_tab = sp.p_tab;
   const size_t slot_stride = (size_t)n_kv * HD;
 
   auto issue_page = [&](int i) {  // copy page p_begin + i of this kv head into stage i % S
@@ -281,27 +369,9 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
       s_q[g][d + half_d] = __half2float(hi) * scale_log2;
     }
   }
-  if (new_t >= 0) {  // block-uniform: this split holds pos, and pos is inside the table
-    const size_t slot = ((size_t)page_table[p / kPageSize] * kPageSize + p % kPageSize) *
-                            slot_stride + (size_t)kvh * HD;
-    const half* xk = qkv + (size_t)(n_heads + kvh) * HD;
-    const half* xv = qkv + (size_t)(n_heads + n_kv + kvh) * HD;
-    for (int d = tid; d < half_d; d += kDecThreads) {
-      half lo, hi;
-      rope_pair(__half2float(xk[d]), __half2float(xk[d + half_d]),
-                cos_table[(size_t)p_tab * half_d + d], sin_table[(size_t)p_tab * half_d + d],
-                lo, hi);
-      k_cache[slot + d] = lo;
-      k_cache[slot + d + half_d] = hi;
-      s_knew[d] = lo;
-      s_knew[d + half_d] = hi;
-    }
-    for (int d = tid; d < HD; d += kDecThreads) {
-      const half v = xv[d];
-      v_cache[slot + d] = v;
-      s_vnew[d] = v;
-    }
-  }
+  if (new_t >= 0)  // block-uniform: this split holds pos, and pos is inside the table
+    write_fresh_kv<HD, kDecThreads>(k_cache, v_cache, s_knew, s_vnew, qkv, cos_table, sin_table,
+                                    page_table, p, p_tab, kvh, n_heads, n_kv);
   __syncthreads();  // s_q, s_knew, s_vnew
 
   const int grp = lane / LPR, col = (lane % LPR) * 8;
@@ -542,30 +612,12 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
   const int head0 = kvh * G;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   constexpr int half_d = HD / 2;
-  if constexpr (MQ) {  // this query's slices
-    const int qi = blockIdx.z;
-    qkv += (size_t)qi * (n_heads + 2 * n_kv) * HD;
-    out += (size_t)qi * n_heads * HD;
-    ws_acc += (size_t)qi * n_heads * num_splits * HD;
-    ws_ml += (size_t)qi * n_heads * num_splits * 2;
-    counters += (size_t)qi * n_kv;
-  }
+  query_slices<HD, MQ>(qkv, out, ws_acc, ws_ml, counters, n_heads, n_kv, num_splits);
   // ---- before griddep_wait: only data written >= 2 launches back (as attn_decode_kernel) ----
-  const int p = pos_ptr[0] + (MQ ? (int)blockIdx.z : 0);
-  const int cap = table_len * kPageSize;
-  const int len = max(min(p + 1, cap), 1);
-  const int n_pages = (len + kPageSize - 1) / kPageSize;
-  const int pps = max((n_pages + num_splits - 1) / num_splits, min_pps);
-  const int n_active = (n_pages + pps - 1) / pps;
-  const int p_begin = split * pps;
-  if (p_begin >= n_pages) return;  // empty split: whole block, before any barrier or write
-  const int p_end = min(p_begin + pps, n_pages);
-  const int np = p_end - p_begin;
-  const int t_end = min(p_end * kPageSize, len);
-  const bool in_cache = p >= 0 && p < cap;
-  const int new_t = !MQ && in_cache && p >= p_begin * kPageSize && p < t_end ? p : -1;
-  const int p_tab = p < 0 ? 0 : (p < cap ? p : cap - 1);
-  const size_t slot_stride = (size_t)n_kv * HD;
+  const SplitSpan sp = split_span<MQ>(pos_ptr, table_len, num_splits, min_pps, split);
+  if (sp.p_begin >= sp.n_pages) return;  // empty split: whole block, before any barrier or write
+  const int n_active = sp.n_active, p_begin = sp.p_begin, np = sp.np;
+  const int t_end = sp.t_end, new_t = sp.new_t, p_tab = sp.p_tab;
 
   if (tid == 0) {
     for (int s = 0; s < kTmaStages; ++s) {
@@ -642,27 +694,9 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
       s_qh[g][d + half_d] = hi;
     }
   }
-  if (new_t >= 0) {  // block-uniform: this split holds pos, and pos is inside the table
-    const size_t slot = ((size_t)page_table[p / kPageSize] * kPageSize + p % kPageSize) *
-                            slot_stride + (size_t)kvh * HD;
-    const half* xk = qkv + (size_t)(n_heads + kvh) * HD;
-    const half* xv = qkv + (size_t)(n_heads + n_kv + kvh) * HD;
-    for (int d = tid; d < half_d; d += kTmaThreads) {
-      half lo, hi;
-      rope_pair(__half2float(xk[d]), __half2float(xk[d + half_d]),
-                cos_table[(size_t)p_tab * half_d + d], sin_table[(size_t)p_tab * half_d + d],
-                lo, hi);
-      k_cache[slot + d] = lo;
-      k_cache[slot + d + half_d] = hi;
-      s_knew[d] = lo;
-      s_knew[d + half_d] = hi;
-    }
-    for (int d = tid; d < HD; d += kTmaThreads) {
-      const half v = xv[d];
-      v_cache[slot + d] = v;
-      s_vnew[d] = v;
-    }
-  }
+  if (new_t >= 0)  // block-uniform: this split holds pos, and pos is inside the table
+    write_fresh_kv<HD, kTmaThreads>(k_cache, v_cache, s_knew, s_vnew, qkv, cos_table, sin_table,
+                                    page_table, sp.p, p_tab, kvh, n_heads, n_kv);
   __syncthreads();  // s_qh, s_knew, s_vnew
 
   // consumer state: lane (gid, tig) of the m16n8 fragments holds head row gid (< G counts),

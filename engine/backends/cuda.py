@@ -297,7 +297,11 @@ class CudaBackend(Backend):
         self.logits = torch.zeros(c.vocab_size, dtype=torch.float32, device=dev)
         self.work = torch.zeros(c.vocab_size, dtype=torch.float32, device=dev)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        self.num_splits = max(1, min(num_pages, -(-2 * sms // c.num_key_value_heads)))
+        # attention_decode's splits a kv head (blocks: kv heads x splits): one block an SM for
+        # the TMA kernel, two for the cp.async one (33 splits beat 66 with the TMA kernel from
+        # 2048 cached tokens up and equal them below, where pps is min_pps: RESULTS.md, session 20)
+        per_sm = 1 if self.switches.attn_tma else 2
+        self.num_splits = max(1, min(num_pages, -(-per_sm * sms // c.num_key_value_heads)))
         self.ws_acc = torch.zeros(c.num_attention_heads, self.num_splits, d,
                                   dtype=torch.float32, device=dev)
         self.ws_ml = torch.zeros(c.num_attention_heads, self.num_splits, 2,
