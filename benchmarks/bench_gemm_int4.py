@@ -9,7 +9,8 @@ into the residual), random weights (std 0.02, quantized by engine/quant.py), x ~
 call (bench_verify.us_per_launch: 20 back-to-back calls, median of 5 runs):
   int4:     the op, as the engine's prefill calls it (split-K where the shape takes it; the op
             allocates its scratch and zeroes its counters each call, which the engine does not);
-  resident: F.linear on the fp16 weight (+ fp32 SiLU*mul for gate/up, as the prefill does);
+  resident: F.linear on the fp16 weight (gate/up: on the stacked pair, then the silu_mul op,
+            as the prefill does; resident_aten_chain_us: the fp32 ATen chain it replaced);
   dequant:  dequant_int4 of the matrix, then the same F.linear (the prefill without the copy).
 The per-layer sums say where int4 wins; m = 40 is a next turn. Correctness is tests/gpu's.
 """
@@ -50,25 +51,40 @@ def projections(cfg, gen: torch.Generator, dequant, device="cuda"):
             ("down", "resid", H, I, [mat(H, I)])], bias
 
 
-def fp16_paths(epilogue: str, x, mats, bias, resid, dequant_into):
+def fp16_paths(epilogue: str, x, mats, bias, resid, dequant_into, silu_mul=None):
     """(resident, dequant): one projection as the prefill runs it on fp16 weights -- F.linear
-    on the fp16 weights (gate/up: + SiLU*mul in fp32; o/down: added to `resid`), and the same
-    after `dequant_into(out, qweight, scales)` of each matrix into scratch. Also the lab's."""
-    scratch = [torch.empty_like(mt[2]) for mt in mats]
+    on the fp16 weights (gate/up: one GEMM on the two matrices stacked, as the engine keeps
+    them, then `silu_mul` -- the op the prefill launches -- or, when None, the ATen chain of fp32
+    copies it replaced in session 21; o/down: added to `resid`), and the same after
+    `dequant_into(out, qweight, scales)` of each matrix into scratch. Also the lab's."""
+    if epilogue == "silu":
+        n = mats[0][2].shape[0]
+        scratch = [torch.empty(2 * n, mats[0][2].shape[1], dtype=torch.half, device=x.device)]
+        halves = [scratch[0][:n], scratch[0][n:]]
+        stacked = [torch.cat([mats[0][2], mats[1][2]])]
+        act = torch.empty(x.shape[0], n, dtype=torch.half, device=x.device)
+    else:
+        halves = scratch = [torch.empty_like(mt[2]) for mt in mats]
+        stacked = [mt[2] for mt in mats]
 
     def dense(wl):
         if epilogue == "silu":
-            g_, u_ = F.linear(x, wl[0]).float(), F.linear(x, wl[1]).float()
-            return (F.silu(g_) * u_).half()
+            gu = F.linear(x, wl[0])
+            if silu_mul is not None:
+                silu_mul(act, gu)
+                return act
+            n = gu.shape[1] // 2
+            gu = gu.float()
+            return (F.silu(gu[:, :n]) * gu[:, n:]).half()
         out = F.linear(x, wl[0], bias if epilogue == "store" else None)
         return out if epilogue == "store" else resid.add_(out)
 
     def dequant():
-        for (qw, sc, _), o in zip(mats, scratch):
+        for (qw, sc, _), o in zip(mats, halves):
             dequant_into(o, qw, sc)
         return dense(scratch)
 
-    return (lambda: dense([mt[2] for mt in mats])), dequant
+    return (lambda: dense(stacked)), dequant
 
 
 def main(argv=None) -> int:
@@ -103,9 +119,13 @@ def main(argv=None) -> int:
                 else:
                     ops.gemm_int4_residual(resid, x, mats[0][0], mats[0][1])
 
-            resident, dequant = fp16_paths(epilogue, x, mats, bias, resid, ops.dequant_int4)
+            resident, dequant = fp16_paths(epilogue, x, mats, bias, resid, ops.dequant_int4,
+                                           ops.silu_mul)
             row = dict(proj=name, m=m, n=n, k=k, int4_us=timed(int4, stream),
                        resident_us=timed(resident, stream), dequant_us=timed(dequant, stream))
+            if epilogue == "silu":   # the ATen chain the prefill ran before silu_mul
+                chain, _ = fp16_paths(epilogue, x, mats, bias, resid, ops.dequant_int4)
+                row["resident_aten_chain_us"] = timed(chain, stream)
             rows.append(row)
             print(" ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}"
                            for a, b in row.items()), flush=True)

@@ -169,6 +169,20 @@ void rmsnorm(Tensor& out, const Tensor& hidden, const Tensor& weight, double eps
                                      (int)H, (float)eps, stream_of(out)));
 }
 
+// The fp16 prefill's SiLU*mul: out [T, I] from gu [T, 2I] (gate columns, then up columns).
+void silu_mul(Tensor& out, const Tensor& gu) {
+  const char* op = "silu_mul";
+  check_arg(op, "out", out, at::kHalf);
+  check_arg(op, "gu", gu, at::kHalf);
+  check_dims(op, "gu", gu, {-1, -1});
+  const int64_t T = gu.size(0), I2 = gu.size(1);
+  NQ_CHECK(I2 % 16 == 0, op, ": gu has ", I2, " columns; it must be 2I with I a multiple of 8");
+  check_dims(op, "out", out, {T, I2 / 2});
+  same_device(op, out, gu, "gu");
+  const c10::cuda::CUDAGuard g(out.device());
+  check_launch(op, nanoqwen::silu_mul(hp(out), chp(gu), (int)T, (int)(I2 / 2), stream_of(out)));
+}
+
 // ---- RoPE + KV write, attention ----------------------------------------------------------------
 
 void check_cache(const char* op, const Tensor& k_cache, const Tensor& v_cache) {
@@ -983,9 +997,12 @@ class Engine : public torch::CustomClassHolder {
                                                     chp(lt[12]), (int)tc, (int)H, (int)I,
                                                     sc.get(), stream_));
         } else {
-          Tensor gu = at::linear(xn, W[2]).to(at::kFloat);                        // [Tc, 2I]
-          // fp32 math, one rounding, as the decode GEMV
-          Tensor act = (at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I)).to(at::kHalf);
+          Tensor gu = at::linear(xn, W[2]);                                       // [Tc, 2I]
+          // fp32 math, one rounding, as the decode GEMV; one pass (the ATen chain of fp32
+          // copies it replaces cost ~140 us a layer at 512 tokens: benchmarks/RESULTS.md)
+          Tensor act = at::empty({tc, I}, hopt);
+          check_launch("prefill silu_mul",
+                       nanoqwen::silu_mul(hp(act), chp(gu), (int)tc, (int)I, stream_));
           h.add_(at::linear(act, W[3]));
         }
       }
@@ -1235,6 +1252,8 @@ TORCH_LIBRARY(nanoqwen, m) {
         "Tensor page_table, Tensor pos, int min_pps=0, int kernel=0) -> ()");
   // INT4 -> fp16 weight (prefill feeds cuBLAS with it)
   m.def("dequant_int4(Tensor! w, Tensor qweight, Tensor scales) -> ()");
+  // the fp16 prefill's silu(gate) * up from the fused gate/up GEMM's rows
+  m.def("silu_mul(Tensor! out, Tensor gu) -> ()");
   // the prefill's INT4 GEMMs over m tokens (prefill_weights "int4")
   m.def("gemm_int4(Tensor! y, Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None) -> ()");
   m.def("gemm_int4_residual(Tensor! hidden, Tensor x, Tensor qweight, Tensor scales) -> ()");
@@ -1256,5 +1275,6 @@ TORCH_LIBRARY_IMPL(nanoqwen, CUDA, m) {
   m.impl("gemv_int4_silu_mul", &nanoqwen_ops::gemv_int4_silu_mul);
   m.impl("gemv_fp16", &nanoqwen_ops::gemv_fp16);
   m.impl("dequant_int4", &nanoqwen_ops::dequant_int4);
+  m.impl("silu_mul", &nanoqwen_ops::silu_mul);
   m.impl("attention_decode", &nanoqwen_ops::attention_decode);
 }

@@ -1,4 +1,5 @@
-// Embedding gather (fp16 table row -> fp32 residual) and RMSNorm (fp32 residual -> fp16).
+// Embedding gather (fp16 table row -> fp32 residual), RMSNorm (fp32 residual -> fp16) and the
+// fp16 prefill's SiLU*mul (the fused gate/up projection's rows -> the down projection's input).
 //
 // The residual add that HF writes before each norm happens in the o/down GEMV epilogue
 // (gemv_int4_residual accumulates into the fp32 `hidden`), so the norm here only reads.
@@ -92,6 +93,51 @@ cudaError_t rmsnorm(half* out, const float* hidden, const half* weight, int T, i
                                    0, stream, out, hidden, weight, H, eps);
   if (e == cudaSuccess) return e;
   return nq_fail(e, "rmsnorm: T=%d H=%d: %s", T, H, last_error_message());
+}
+
+// One thread per 8 output columns (16-byte loads of g and u, a 16-byte store); the rows are
+// 16-byte aligned because I is a multiple of 8. fp32 math and one rounding, the decode GEMV's
+// formula (gemv_int4.cu OP_SILU) on the fp16 g and u cuBLAS wrote.
+__global__ void silu_mul_kernel(half* __restrict__ out, const half* __restrict__ gu, int I,
+                                int64_t n8) {
+  griddep_wait();  // gu: the GEMM right before
+  griddep_launch_dependents();
+  const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= n8) return;
+  const int per_row = I / 8;
+  const int64_t t = j / per_row;
+  const int c = (int)(j - t * per_row) * 8;
+  const half* row = gu + t * 2 * (int64_t)I;
+  const uint4 g8 = __ldcs(reinterpret_cast<const uint4*>(row + c));      // read once: streaming
+  const uint4 u8 = __ldcs(reinterpret_cast<const uint4*>(row + I + c));
+  const half2* g2 = reinterpret_cast<const half2*>(&g8);
+  const half2* u2 = reinterpret_cast<const half2*>(&u8);
+  uint4 o8;
+  half2* o2 = reinterpret_cast<half2*>(&o8);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 g = __half22float2(g2[q]), u = __half22float2(u2[q]);
+    o2[q] = __floats2half2_rn(g.x / (1.f + __expf(-g.x)) * u.x, g.y / (1.f + __expf(-g.y)) * u.y);
+  }
+  *reinterpret_cast<uint4*>(out + t * (int64_t)I + c) = o8;
+}
+
+cudaError_t silu_mul(half* out, const half* gu, int T, int I, cudaStream_t stream) {
+  if (T <= 0) return cudaSuccess;
+  if (I <= 0 || I % 8)
+    return nq_fail(cudaErrorInvalidValue, "silu_mul: I=%d must be a positive multiple of 8 (T=%d)",
+                   I, T);
+  if ((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(gu)) % 16)
+    return nq_fail(cudaErrorInvalidValue,
+                   "silu_mul: out=%p and gu=%p must be 16-byte aligned (T=%d I=%d)",
+                   (const void*)out, (const void*)gu, T, I);
+  constexpr int kThreads = 256;
+  const int64_t n8 = (int64_t)T * (I / 8);
+  const cudaError_t e = launch_pdl("silu_mul_kernel", silu_mul_kernel,
+                                   dim3((unsigned)((n8 + kThreads - 1) / kThreads)),
+                                   dim3(kThreads), 0, stream, out, gu, I, n8);
+  if (e == cudaSuccess) return e;
+  return nq_fail(e, "silu_mul: T=%d I=%d: %s", T, I, last_error_message());
 }
 
 }  // namespace nanoqwen

@@ -76,6 +76,10 @@ cudaError_t embed_gather(float* hidden, const half* table, const int32_t* ids, i
 cudaError_t rmsnorm(half* out, const float* hidden, const half* weight, int T, int H, float eps,
                     cudaStream_t stream);
 
+// out[t, i] = half(silu(g) * u) for g = gu[t, i], u = gu[t, I + i] (gu [T, 2I] fp16: the fp16
+// prefill's gate/up GEMM), fp32 math, one rounding. I a multiple of 8, both 16-byte aligned.
+cudaError_t silu_mul(half* out, const half* gu, int T, int I, cudaStream_t stream);
+
 // Row t of qkv [T, (n_heads + 2 n_kv) * head_dim] is the token at position pos[0] + t.
 // Rotates q and k (HF rotate_half), writes q to q_out [T, n_heads, head_dim], and rotated k and
 // plain v into the layer's pages. Positions at or beyond table_len*16 are not written to the

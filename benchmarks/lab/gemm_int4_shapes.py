@@ -112,7 +112,8 @@ def main(argv=None) -> int:
                 row[f"{nm}_splits"] = int(fl // (m * (2 * n if op == 'silu' else n))) if fl else 1
 
             resident, dequant = fp16_paths(op, x, mats, bias, resid,
-                                           torch.ops.nanoqwen.dequant_int4)
+                                           torch.ops.nanoqwen.dequant_int4,
+                                           torch.ops.nanoqwen.silu_mul)
             row["resident_us"] = timed(resident, stream)
             row["dequant_us"] = timed(dequant, stream)
             best = min(names, key=lambda nm: row[f"{nm}_us"])

@@ -1,4 +1,4 @@
-"""embed_gather, rmsnorm, rope_kv_write, sample_token and advance_step against an fp32 PyTorch
+"""embed_gather, rmsnorm, silu_mul, rope_kv_write, sample_token and advance_step against an fp32 PyTorch
 reference, on fresh random data with awkward sizes (odd T, shuffled page tables, GQA ratios 5-8,
 head_dim 64 and 128), plus the argument checks. Tolerances are written beside each comparison
 with their reason. The GEMVs and dequant_int4: test_gemv.py; attention_decode:
@@ -45,6 +45,35 @@ def test_rmsnorm(gen, T, H):
     ref = w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     # fp32 math, then one rounding to fp16: half an fp16 ulp is 2^-11 relative
     torch.testing.assert_close(out.float(), ref, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("T,I", [(1, 4864), (15, 18944), (17, 8), (511, 8960)])
+def test_silu_mul(gen, T, I):
+    """The fp16 prefill's SiLU*mul: out [T, I] from the gate/up GEMM's rows gu [T, 2I]."""
+    gu = (3 * torch.randn(T, 2 * I, generator=gen, device="cuda")).half()
+    buf = torch.full((T * I + 64,), float("nan"), device="cuda").half()
+    out = buf[:T * I].view(T, I)
+    ops().silu_mul(out, gu)
+    g, u = gu[:, :I].double(), gu[:, I:].double()
+    ref = torch.nn.functional.silu(g) * u
+    # fp32 math on exact fp16 inputs (__expf: a few fp32 ulps, ~1e-6 relative at |g| <= 15),
+    # then one rounding to fp16: half an fp16 ulp is 2^-11 relative; atol for results rounded
+    # into fp16's subnormals (steps of 6e-8)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-3, atol=1e-7)
+    assert torch.isnan(buf[T * I:]).all()   # nothing written past the T x I outputs
+
+
+def test_silu_mul_rejects_bad_arguments(gen):
+    gu = torch.randn(4, 32, generator=gen, device="cuda").half()
+    with pytest.raises(RuntimeError, match="it must be 2I with I a multiple of 8"):
+        ops().silu_mul(torch.empty(4, 12, device="cuda").half(), gu[:, :24].contiguous())
+    with pytest.raises(RuntimeError, match=r"out has shape \[4, 8\], expected \[4, 16\]"):
+        ops().silu_mul(torch.empty(4, 8, device="cuda").half(), gu)
+    with pytest.raises(RuntimeError, match="gu must be Half"):
+        ops().silu_mul(torch.empty(4, 16, device="cuda").half(), gu.float())
+    off = torch.empty(4 * 32 + 1, device="cuda").half()[1:].view(4, 32)   # 2 bytes off 16
+    with pytest.raises(RuntimeError, match="must be 16-byte aligned"):
+        ops().silu_mul(torch.empty(4, 16, device="cuda").half(), off)
 
 
 # ---- RoPE + KV write --------------------------------------------------------------------------

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 14 on the GPU: the prefill's TTFT at 7B by prompt length and weights, and its GEMM
+# epilogues per projection.
+#   PART=T: install, build, tests/gpu (all of it)
+#   PART=G: bench_gemm_int4.py at 7B, m = 128, 512, 2048 (gate/up also as the ATen chain of fp32
+#           copies the prefill ran before silu_mul: resident_aten_chain_us)
+#   PART=F: `nanoqwen bench --synthetic 7b` TTFT: pp512 (resident, dequant), pp2048, pp8192,
+#           pp30000 (resident), graph mode
+#   PART=R: F again on the baseline: `patch -R` of AB_PATCH (the change as a diff against the
+#           baseline), rebuild; the JSON names end in _A (F's in _B)
+#   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=TGFR AB_PATCH=F \
+#     bash benchmarks/verify_prefill_gpu.sh                                        (carry .whl)
+# The JSON files come back as one $OUT/results_<PART>_<commit>.tgz, the log beside it.
+source benchmarks/device_prelude.sh
+f() {  # f LABEL: the TTFT runs
+  local L=$1 w p
+  for w in resident dequant; do
+    t "bench 7b pp512 $w ($L)"
+    timeout 120 nanoqwen bench --synthetic 7b -p 512 -n 8 -r 5 --mode graph --prefill-weights $w \
+      --json > "$R/bench_7b_pp512_${w}_${L}_$C.json" && show "$R/bench_7b_pp512_${w}_${L}_$C.json"
+  done
+  for p in 2048 8192 30000; do
+    t "bench 7b pp$p resident ($L)"
+    timeout 150 nanoqwen bench --synthetic 7b -p $p -n 4 -r $([ $p = 30000 ] && echo 2 || echo 3) \
+      --mode graph --prefill-weights resident --json > "$R/bench_7b_pp${p}_resident_${L}_$C.json" \
+      && show "$R/bench_7b_pp${p}_resident_${L}_$C.json"
+  done
+}
+show() {
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([(r['test'], r.get('ttft_ms') or r.get('ms_per_token')) for r in d['rows']])" "$1"
+}
+{
+source benchmarks/device_setup.sh
+nvidia-smi --query-gpu=name --format=csv,noheader
+if [[ "$P" == *T* ]]; then
+  t "tests/gpu"; timeout ${TEST_TIMEOUT:-400} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -40
+fi
+if [[ "$P" == *G* ]]; then
+  t "bench_gemm_int4 7b"
+  timeout 150 python3 benchmarks/bench_gemm_int4.py --m 128,512,2048 --json "$R/bench_gemm_int4_7b_$C.json" 2>&1 | tail -20
+fi
+[[ "$P" == *F* ]] && f B
+if [[ "$P" == *R* && -n "${AB_PATCH:-}" ]]; then
+  t "patch -R $AB_PATCH"; patch -R -p1 < "$AB_PATCH" | tail -3
+  t "rebuild (A)"; timeout 200 python3 -c "from nanoqwen.engine.build import load_extension; print(load_extension())" 2>&1 | tail -3
+  f A
+  t "patch $AB_PATCH (back)"; patch -p1 < "$AB_PATCH" | tail -3
+fi
+t "done"
+} 2>&1 | tee "$OUT/verify_prefill_${P}_$C.log"
+tar -C "$R" -czf "$OUT/results_${P}_$C.tgz" . && rm -rf "$R"
