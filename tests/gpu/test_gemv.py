@@ -203,7 +203,8 @@ def test_int4_deterministic(gen):
         assert torch.equal(o1.view(torch.int16), o2.view(torch.int16))
 
 
-@pytest.mark.parametrize("n,k", [(1, 128), (3, 256), (643, 896), (37, 18944), (29, 27648)])
+@pytest.mark.parametrize("n,k", [(1, 128), (3, 256), (643, 896), (37, 18944), (29, 27648),
+                                 (18944, 3584)])
 def test_dequant_int4_bit_exact(gen, n, k):
     qw, sc, w = rand_int4(n, k, gen)
     d = torch.full((n, k), NAN, dtype=torch.float16, device="cuda")
