@@ -2,12 +2,12 @@
 # Issue 14 on the GPU: the prefill's TTFT at 7B by prompt length and weights, and its GEMM
 # epilogues per projection.
 #   PART=T: install, build, tests/gpu (all of it)
-#   PART=G: bench_gemm_int4.py at 7B, m = 128, 512, 2048 (gate/up also as the ATen chain of fp32
-#           copies the prefill ran before silu_mul: resident_aten_chain_us)
+#   PART=G: bench_gemm_int4.py at 7B, m = 1, 128, 512, 2048 (gate/up also as the ATen chain of
+#           fp32 copies the prefill ran before silu_mul: resident_aten_chain_us)
 #   PART=F: `nanoqwen bench --synthetic 7b` TTFT: pp512 (resident, dequant), pp2048, pp8192,
 #           pp30000 (resident), graph mode
-#   PART=R: F again on the baseline: `patch -R` of AB_PATCH (the change as a diff against the
-#           baseline), rebuild; the JSON names end in _A (F's in _B)
+#   PART=R: G and F (those in PART) again on the baseline: `patch -R` of AB_PATCH (the change as
+#           a diff against the baseline), rebuild; their JSON names say _A (the change's _B)
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=TGFR AB_PATCH=F \
 #     bash benchmarks/verify_prefill_gpu.sh                                        (carry .whl)
 # The JSON files come back as one $OUT/results_<PART>_<commit>.tgz, the log beside it.
@@ -35,15 +35,18 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 if [[ "$P" == *T* ]]; then
   t "tests/gpu"; timeout ${TEST_TIMEOUT:-400} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -40
 fi
-if [[ "$P" == *G* ]]; then
-  t "bench_gemm_int4 7b"
-  timeout 150 python3 benchmarks/bench_gemm_int4.py --m 128,512,2048 --json "$R/bench_gemm_int4_7b_$C.json" 2>&1 | tail -20
-fi
+g() {  # g LABEL: the per-projection GEMM bench
+  t "bench_gemm_int4 7b ($1)"
+  timeout 150 python3 benchmarks/bench_gemm_int4.py --m 1,128,512,2048 \
+    --json "$R/bench_gemm_int4_7b_$1_$C.json" 2>&1 | tail -20
+}
+[[ "$P" == *G* ]] && g B
 [[ "$P" == *F* ]] && f B
 if [[ "$P" == *R* && -n "${AB_PATCH:-}" ]]; then
   t "patch -R $AB_PATCH"; patch -R -p1 < "$AB_PATCH" | tail -3
   t "rebuild (A)"; timeout 200 python3 -c "from nanoqwen.engine.build import load_extension; print(load_extension())" 2>&1 | tail -3
-  f A
+  [[ "$P" == *G* ]] && g A
+  [[ "$P" == *F* ]] && f A
   t "patch $AB_PATCH (back)"; patch -p1 < "$AB_PATCH" | tail -3
 fi
 t "done"
