@@ -4,8 +4,8 @@
 #   PART=T: install, build, tests/gpu (all of it)
 #   PART=G: bench_gemm_int4.py at 7B, m = 1, 128, 512, 2048 (gate/up also as the ATen chain of
 #           fp32 copies the prefill ran before silu_mul: resident_aten_chain_us)
-#   PART=F: `nanoqwen bench --synthetic 7b` TTFT: pp512 (resident, dequant), pp2048, pp8192,
-#           pp30000 (resident), graph mode
+#   PART=F: `nanoqwen bench --synthetic 7b` TTFT: pp512 (resident, dequant), 0.5B and 1.5B pp512,
+#           7B pp2048, pp8192, pp30000 (resident), graph mode
 #   PART=R: G and F (those in PART) again on the baseline: `patch -R` of AB_PATCH (the change as
 #           a diff against the baseline), rebuild; their JSON names say _A (the change's _B)
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=TGFR AB_PATCH=F \
@@ -18,6 +18,11 @@ f() {  # f LABEL: the TTFT runs
     t "bench 7b pp512 $w ($L)"
     timeout 120 nanoqwen bench --synthetic 7b -p 512 -n 8 -r 5 --mode graph --prefill-weights $w \
       --json > "$R/bench_7b_pp512_${w}_${L}_$C.json" && show "$R/bench_7b_pp512_${w}_${L}_$C.json"
+  done
+  for m in 0.5b 1.5b; do   # small models: bound by the host's per-op costs (issue 14)
+    t "bench $m pp512 resident ($L)"
+    timeout 100 nanoqwen bench --synthetic $m -p 512 -n 8 -r 5 --mode graph --prefill-weights resident \
+      --json > "$R/bench_${m}_pp512_resident_${L}_$C.json" && show "$R/bench_${m}_pp512_resident_${L}_$C.json"
   done
   for p in 2048 8192 30000; do
     t "bench 7b pp$p resident ($L)"
