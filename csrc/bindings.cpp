@@ -927,10 +927,12 @@ class Engine : public torch::CustomClassHolder {
                                                                 static_cast<const int32_t*>(ctx.data_ptr()),
                                                                 (int)T, (int)H, a.vocab, stream_));
     std::vector<std::pair<int64_t, int64_t>> chunks;
-    std::vector<Tensor> pos_t;
-    for (int64_t s = 0; s < T; s += chunk_) {
+    std::vector<Tensor> pos_t, tables;   // per chunk: its first position; the int64 page ids
+    for (int64_t s = 0; s < T; s += chunk_) {    // its attention reads (the same in every layer)
       chunks.push_back({s, std::min(T, s + chunk_)});
       pos_t.push_back(at::full({1}, pos0 + s, iopt));
+      const int64_t end = pos0 + chunks.back().second, page = nanoqwen::kPageSize;
+      tables.push_back(g_[15].narrow(0, 0, (end + page - 1) / page).to(at::kLong));
     }
     // a chunk of tc tokens through gemm_int4: always with int4 weights; with dequant ones where it
     // is short (a next turn: gemm_int4 reads the INT4 weights once, the dequant path writes and
@@ -969,7 +971,7 @@ class Engine : public torch::CustomClassHolder {
                                              pos_t[c].data_ptr<int32_t>(), a.page_table,
                                              a.table_len, (int)tc, (int)nh, (int)nkv, (int)hd,
                                              stream_));
-        Tensor att = attention(q, lt[13], lt[14], pos0 + s, pos0 + e);            // [Tc, nh*hd]
+        Tensor att = attention(q, lt[13], lt[14], tables[c], pos0 + s, pos0 + e); // [Tc, nh*hd]
         if (q4) {
           const Int4Scratch sc(h, tc, H, nh * hd, false, split_counters_);
           check_launch("prefill gemm_int4_residual (o_proj)",
@@ -1127,11 +1129,12 @@ class Engine : public torch::CustomClassHolder {
     dq(d_[3], lt[11], lt[12]);
   }
 
-  // Causal GQA attention of queries at positions q0..q1-1 over cached positions 0..q1-1.
-  Tensor attention(const Tensor& q, const Tensor& k_l, const Tensor& v_l, int64_t q0, int64_t q1) {
-    const int64_t s = q1, used = (s + nanoqwen::kPageSize - 1) / nanoqwen::kPageSize;
+  // Causal GQA attention of queries at positions q0..q1-1 over cached positions 0..q1-1, whose
+  // pages are `table` (int64, the first ceil(q1 / 16) entries of the page table).
+  Tensor attention(const Tensor& q, const Tensor& k_l, const Tensor& v_l, const Tensor& table,
+                   int64_t q0, int64_t q1) {
+    const int64_t s = q1, used = table.size(0);
     const int64_t nkv = a_.n_kv, hd = a_.head_dim;
-    Tensor table = g_[15].narrow(0, 0, used).to(at::kLong);
     Tensor k = k_l.index_select(0, table).reshape({used * nanoqwen::kPageSize, nkv, hd})
                    .narrow(0, 0, s).permute({1, 0, 2}).unsqueeze(0);
     Tensor v = v_l.index_select(0, table).reshape({used * nanoqwen::kPageSize, nkv, hd})
