@@ -6,9 +6,11 @@
 #           fp32 copies the prefill ran before silu_mul: resident_aten_chain_us)
 #   PART=F: `nanoqwen bench --synthetic 7b` TTFT: pp512 (resident, dequant), 0.5B and 1.5B pp512,
 #           7B pp2048, pp8192, pp30000 (resident), graph mode
+#   PART=X: profile_prefill.py: host enqueue against GPU time, ops and kernels (0.5B p512, 7B p512
+#           and p8192)
 #   PART=R: G and F (those in PART) again on the baseline: `patch -R` of AB_PATCH (the change as
 #           a diff against the baseline), rebuild; their JSON names say _A (the change's _B)
-#   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=TGFR AB_PATCH=F \
+#   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=GFXR AB_PATCH=F \
 #     bash benchmarks/verify_prefill_gpu.sh                                        (carry .whl)
 # The JSON files come back as one $OUT/results_<PART>_<commit>.tgz, the log beside it.
 source benchmarks/device_prelude.sh
@@ -47,6 +49,14 @@ g() {  # g LABEL: the per-projection GEMM bench
 }
 [[ "$P" == *G* ]] && g B
 [[ "$P" == *F* ]] && f B
+if [[ "$P" == *X* ]]; then
+  for a in "0.5b 512" "7b 512" "7b 8192"; do
+    set -- $a
+    t "profile_prefill $1 p$2"
+    timeout 120 python3 benchmarks/profile_prefill.py --preset $1 -p $2 \
+      --json "$R/profile_prefill_${1}_p$2_$C.json" 2>&1 | cut -c1-200
+  done
+fi
 if [[ "$P" == *R* && -n "${AB_PATCH:-}" ]]; then
   t "patch -R $AB_PATCH"; patch -R -p1 < "$AB_PATCH" | tail -3
   t "rebuild (A)"; timeout 200 python3 -c "from nanoqwen.engine.build import load_extension; print(load_extension())" 2>&1 | tail -3
