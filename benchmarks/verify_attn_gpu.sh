@@ -11,7 +11,8 @@
 #           SWEEP_CTX, SWEEP (S:min_pps:kernel,...) and SWEEP_LAYERS narrow it)
 #   PART=P: install, build, the 7B bench with each kernel at the engine's split policy after
 #           2048, 8192 and 30000 cached tokens and a 512 prompt (apply
-#           attempts/split-merge-policy.patch first to measure its policy: TMA one block an SM)
+#           attempts/split-merge-policy.patch first to measure its policy: TMA one block an SM;
+#           P_KERNELS="1" runs the TMA kernel only)
 #   PART=T: tests/gpu; letters combine (PART=TSP); AB runs tests/gpu too
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=TSP bash benchmarks/verify_attn_gpu.sh
 # The JSON files come back as one $OUT/results_<PART>_<commit>.tgz, the log beside it.
@@ -35,9 +36,9 @@ if [[ "$P" == *A* ]]; then
   t "bench_attention"; timeout 200 python3 benchmarks/bench_attention.py --json "$R/bench_attention_$C.json" 2>&1 | tail -40
 fi
 if [[ "$P" == *P* ]]; then
-  for d in 2048 8192; do for tma in 1 0; do b $tma d$d -d $d -p 64 -n 128 -r 3 --mode graph; done; done
-  for tma in 1 0; do b $tma d30000 -d 30000 -p 64 -n 64 -r 2 --mode graph; done
-  for tma in 1 0; do b $tma d0 -p 512 -n 128 -r 5 --mode graph,eager; done
+  for d in 2048 8192; do for tma in ${P_KERNELS:-1 0}; do b $tma d$d -d $d -p 64 -n 128 -r 3 --mode graph; done; done
+  for tma in ${P_KERNELS:-1 0}; do b $tma d30000 -d 30000 -p 64 -n 64 -r 2 --mode graph; done
+  for tma in ${P_KERNELS:-1 0}; do b $tma d0 -p 512 -n 128 -r 5 --mode graph,eager; done
 fi
 if [[ "$P" == *S* ]]; then
   t "split sweep"
