@@ -231,6 +231,36 @@ void rope_kv_write(Tensor& q_out, Tensor& k_cache, Tensor& v_cache, const Tensor
                                            (int)T, (int)nh, (int)nkv, (int)D, stream_of(q_out)));
 }
 
+// The prefill's paged causal attention of q [T, n_heads, head_dim] at positions q0.. (the
+// engine's prefill launches the kernel itself; this op is its tests'). The page ids in
+// page_table[0 .. ceil((q0 + T) / 16)) must name pages of the caches, as the engine's do.
+void attention_prefill(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                       const Tensor& page_table, int64_t q0) {
+  const char* op = "attention_prefill";
+  check_arg(op, "out", out, at::kHalf);
+  check_arg(op, "q", q, at::kHalf);
+  check_cache(op, k_cache, v_cache);
+  check_arg(op, "page_table", page_table, at::kInt);
+  const int64_t D = k_cache.size(3), nkv = k_cache.size(2);
+  check_dims(op, "q", q, {-1, -1, D});
+  const int64_t T = q.size(0), nh = q.size(1);
+  NQ_CHECK(T >= 1 && nh >= nkv && nh % nkv == 0, op, ": q has ", T, " rows of ", nh,
+           " heads; at least one row, and a whole multiple of the cache's ", nkv,
+           " kv heads, are required");
+  check_dims(op, "out", out, {T, nh * D});
+  check_dims(op, "page_table", page_table, {-1});
+  NQ_CHECK(q0 >= 0 && q0 + T <= page_table.size(0) * nanoqwen::kPageSize, op, ": positions ", q0,
+           "..", q0 + T - 1, " are not covered by the page table's ", page_table.size(0),
+           " pages");
+  NQ_CHECK(q0 + T <= INT32_MAX, op, ": q0 + T=", q0 + T, " beyond int32");
+  for (const Tensor* t : Ts{&q, &k_cache, &v_cache, &page_table})
+    same_device(op, out, *t, "an input");
+  const c10::cuda::CUDAGuard g(out.device());
+  check_launch(op, nanoqwen::attention_prefill(hp(out), chp(q), chp(k_cache), chp(v_cache),
+                                               page_table.data_ptr<int32_t>(), (int)q0, (int)T,
+                                               (int)nh, (int)nkv, (int)D, stream_of(out)));
+}
+
 void attention_decode(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, Tensor& counters,
                       const Tensor& qkv, Tensor& k_cache, Tensor& v_cache, const Tensor& cos,
                       const Tensor& sin, const Tensor& page_table, const Tensor& pos,
@@ -634,12 +664,14 @@ class Engine : public torch::CustomClassHolder {
   // ints: H, I, n_heads, n_kv, head_dim, vocab, int4_max_m (with dequant prefill weights, prompt
   //   chunks of at most this many tokens go through gemm_int4 instead; 0: never), min_pps, num_splits,
   //   prefill weights (0 dequant, 1 resident, 2 int4: no dense matrices, gemm_int4 on the INT4
-  //   weights), prefill_chunk, attention kernel (kAttnCpAsync / kAttnTma)
+  //   weights), prefill_chunk, attention kernel (kAttnCpAsync / kAttnTma), prefill_attn_max
+  //   (prompt chunks whose context ends at most this many positions in take attention_prefill,
+  //   longer ones SDPA over gathered K/V; 0: always SDPA)
   Engine(std::vector<Tensor> globals, std::vector<Tensor> layers, std::vector<Tensor> dense,
          std::vector<int64_t> ints, double eps, int64_t stream_ptr)
       : g_(std::move(globals)), l_(std::move(layers)), d_(std::move(dense)) {
     const char* op = "Engine";
-    NQ_CHECK(ints.size() == 12, op, ": ints has ", (int64_t)ints.size(), " values, expected 12");
+    NQ_CHECK(ints.size() == 13, op, ": ints has ", (int64_t)ints.size(), " values, expected 13");
     NQ_CHECK(g_.size() == 24, op, ": globals has ", (int64_t)g_.size(), " tensors, expected 24");
     NQ_CHECK(!l_.empty() && l_.size() % 15 == 0, op, ": layers has ", (int64_t)l_.size(),
              " tensors, expected 15 a layer");
@@ -672,6 +704,8 @@ class Engine : public torch::CustomClassHolder {
              ": attention kernel=", ints[11], " must be ", nanoqwen::kAttnCpAsync, " or ",
              nanoqwen::kAttnTma);
     a.attn_kernel = (int)ints[11];
+    NQ_CHECK(ints[12] >= 0, op, ": prefill_attn_max=", ints[12], " must be >= 0");
+    prefill_attn_max_ = ints[12];
     struct Want { const char* name; at::ScalarType dt; std::vector<int64_t> dims; };
     const std::vector<Want> want = {
         {"embed", at::kHalf, {V, H}}, {"final_norm", at::kHalf, {H}}, {"lm_head", at::kHalf, {V, H}},
@@ -927,12 +961,16 @@ class Engine : public torch::CustomClassHolder {
                                                                 static_cast<const int32_t*>(ctx.data_ptr()),
                                                                 (int)T, (int)H, a.vocab, stream_));
     std::vector<std::pair<int64_t, int64_t>> chunks;
-    std::vector<Tensor> pos_t, tables;   // per chunk: its first position; the int64 page ids
-    for (int64_t s = 0; s < T; s += chunk_) {    // its attention reads (the same in every layer)
+    // per chunk: its first position; for SDPA (a chunk ending past prefill_attn_max_) the int64
+    // ids of the pages its attention reads (the same in every layer; undefined otherwise)
+    std::vector<Tensor> pos_t, tables;
+    for (int64_t s = 0; s < T; s += chunk_) {
       chunks.push_back({s, std::min(T, s + chunk_)});
       pos_t.push_back(at::full({1}, pos0 + s, iopt));
       const int64_t end = pos0 + chunks.back().second, page = nanoqwen::kPageSize;
-      tables.push_back(g_[15].narrow(0, 0, (end + page - 1) / page).to(at::kLong));
+      tables.push_back(end <= prefill_attn_max_
+                           ? Tensor()
+                           : g_[15].narrow(0, 0, (end + page - 1) / page).to(at::kLong));
     }
     // a chunk of tc tokens through gemm_int4: always with int4 weights; with dequant ones where it
     // is short (a next turn: gemm_int4 reads the INT4 weights once, the dequant path writes and
@@ -971,7 +1009,16 @@ class Engine : public torch::CustomClassHolder {
                                              pos_t[c].data_ptr<int32_t>(), a.page_table,
                                              a.table_len, (int)tc, (int)nh, (int)nkv, (int)hd,
                                              stream_));
-        Tensor att = attention(q, lt[13], lt[14], tables[c], pos0 + s, pos0 + e); // [Tc, nh*hd]
+        Tensor att;                                                               // [Tc, nh*hd]
+        if (tables[c].defined()) {
+          att = attention(q, lt[13], lt[14], tables[c], pos0 + s, pos0 + e);
+        } else {
+          att = at::empty({tc, nh * hd}, hopt);
+          check_launch("prefill attention_prefill",
+                       nanoqwen::attention_prefill(hp(att), chp(q), chp(lt[13]), chp(lt[14]),
+                                                   a.page_table, (int)(pos0 + s), (int)tc,
+                                                   (int)nh, (int)nkv, (int)hd, stream_));
+        }
         if (q4) {
           const Int4Scratch sc(h, tc, H, nh * hd, false, split_counters_);
           check_launch("prefill gemm_int4_residual (o_proj)",
@@ -1188,6 +1235,7 @@ class Engine : public torch::CustomClassHolder {
   bool resident_ = false;
   bool int4_ = false;   // the prefill multiplies the INT4 weights (gemm_int4), no fp16 copy
   int64_t int4_max_m_ = 0;   // dequant weights: chunks this short through gemm_int4 instead
+  int64_t prefill_attn_max_ = 0;   // chunks ending at most here: attention_prefill, else SDPA
   Tensor split_counters_;    // gemm_int4's split-K tile counters (kGemmCounters, kept zeroed)
   int64_t chunk_ = 2048;
   c10::Device device_{c10::kCUDA, 0};
@@ -1250,6 +1298,9 @@ TORCH_LIBRARY(nanoqwen, m) {
   // RoPE + K/V write + split-K paged attention + split merge for one decode token, one launch
   // (min_pps: minimum KV pages per split, 0 = kDecMinPpsDefault; kernel: the page loop, 0
   // cp.async split-K, 1 TMA warp-specialized on tensor cores; the engine passes its switches)
+  // the prefill's causal GQA attention of a chunk's rotated q over the paged cache
+  m.def("attention_prefill(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor page_table, int q0) -> ()");
   m.def("attention_decode(Tensor! out, Tensor! ws_acc, Tensor! ws_ml, Tensor! counters, "
         "Tensor qkv, Tensor! k_cache, Tensor! v_cache, Tensor cos, Tensor sin, "
         "Tensor page_table, Tensor pos, int min_pps=0, int kernel=0) -> ()");
@@ -1280,4 +1331,5 @@ TORCH_LIBRARY_IMPL(nanoqwen, CUDA, m) {
   m.impl("dequant_int4", &nanoqwen_ops::dequant_int4);
   m.impl("silu_mul", &nanoqwen_ops::silu_mul);
   m.impl("attention_decode", &nanoqwen_ops::attention_decode);
+  m.impl("attention_prefill", &nanoqwen_ops::attention_prefill);
 }

@@ -89,6 +89,17 @@ cudaError_t rope_kv_write(half* q_out, half* k_cache, half* v_cache, const half*
                           const int32_t* page_table, int table_len, int T, int n_heads,
                           int n_kv, int head_dim, cudaStream_t stream);
 
+// The prefill's causal GQA attention, one launch: query i of q [T, n_heads, head_dim] (rotated,
+// rope_kv_write's q_out) at position q0 + i attends to the cached positions 0..q0 + i of its kv
+// head (query head h reads kv head h / (n_heads / n_kv)), whose K/V rows lie in the pages
+// page_table[0 .. ceil((q0 + T) / 16)) of k_cache / v_cache [pages, 16, n_kv, head_dim] (this
+// chunk's own rows included: rope_kv_write runs first). out [T, n_heads * head_dim] fp16;
+// scale 1/sqrt(head_dim); fp32 scores and softmax, P rounded to fp16 before P V (as SDPA's flash
+// kernel does). head_dim 64 or 128, n_heads a multiple of n_kv; pointers 16-byte aligned.
+cudaError_t attention_prefill(half* out, const half* q, const half* k_cache, const half* v_cache,
+                              const int32_t* page_table, int q0, int T, int n_heads, int n_kv,
+                              int head_dim, cudaStream_t stream);
+
 // The decode step's attention in ONE launch: RoPE of q and k of the projected token
 // (qkv [(n_heads + 2 n_kv) * head_dim], position pos[0]) as rope_kv_write does it (fp32 from
 // fp16, rounded once), the write of rotated k and plain v into slot pos of the layer's pages

@@ -33,6 +33,7 @@ SOURCES = (
     "embed_norm.cu",
     "rope_kv.cu",
     "attention.cu",
+    "attention_prefill.cu",
     "sampling.cu",
     "gemv_int4.cu",
     "gemm_int4.cu",

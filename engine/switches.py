@@ -11,6 +11,11 @@ A/B measurements (README, "measurement switches"; the numbers are in benchmarks/
                                copy), prompt chunks of at most n tokens go
                                through gemm_int4 on the INT4 weights instead;
                                n = 0 (never) .. 2048, default INT4_MAX_M_DEFAULT
+    NANOQWEN_PREFILL_ATTN_MAX=n  prompt chunks whose context ends at most n      backends/cuda.py
+                               positions in take the paged prefill attention
+                               kernel, longer ones SDPA over gathered K/V;
+                               n = 0 (always SDPA) .. 131072, default
+                               PREFILL_ATTN_MAX_DEFAULT
 
 Unset or empty means the default; any other value raises SwitchError naming the variable, the
 value and what is allowed, because a typo that silently measured the default would be a wrong
@@ -62,6 +67,11 @@ INT4_MAX_M = "NANOQWEN_INT4_MAX_M"
 # 278 / 591 at 40 tokens, 477 / 619 at 128, 1229 / 891 at 512
 INT4_MAX_M_DEFAULT = 128
 INT4_MAX_M_MAX = 2048   # CudaBackend's PREFILL_CHUNK: no chunk is longer
+PREFILL_ATTN_MAX = "NANOQWEN_PREFILL_ATTN_MAX"
+# the paged kernel (csrc/attention_prefill.cu) at every length until the device measures where
+# SDPA's flash kernel overtakes it (benchmarks/RESULTS.md, session 21)
+PREFILL_ATTN_MAX_DEFAULT = 131072
+PREFILL_ATTN_MAX_MAX = 131072   # 4x the Qwen2.5-Coder context: every prompt
 
 
 class SwitchError(NanoqwenError, ValueError):
@@ -75,6 +85,7 @@ class Switches:
     attn_min_pps: int = ATTN_MIN_PPS_DEFAULT  # NANOQWEN_ATTN_MIN_PPS
     attn_tma: bool = ATTN_TMA_DEFAULT         # NANOQWEN_ATTN_TMA
     int4_max_m: int = INT4_MAX_M_DEFAULT      # NANOQWEN_INT4_MAX_M
+    prefill_attn_max: int = PREFILL_ATTN_MAX_DEFAULT  # NANOQWEN_PREFILL_ATTN_MAX
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -111,4 +122,6 @@ def read_switches(env: Mapping[str, str] | None = None) -> Switches:
                                         ATTN_MIN_PPS_MAX, "KV pages per split"),
                     attn_tma=_flag(env, ATTN_TMA, ATTN_TMA_DEFAULT),
                     int4_max_m=_count(env, INT4_MAX_M, INT4_MAX_M_DEFAULT, 0, INT4_MAX_M_MAX,
-                                      "prompt tokens"))
+                                      "prompt tokens"),
+                    prefill_attn_max=_count(env, PREFILL_ATTN_MAX, PREFILL_ATTN_MAX_DEFAULT, 0,
+                                            PREFILL_ATTN_MAX_MAX, "positions"))

@@ -1,5 +1,6 @@
-"""compute-sanitizer memcheck and racecheck of attention_decode at partial-page lengths (this
-file, run as a script under the sanitizer), clean. Skipped where compute-sanitizer is absent."""
+"""compute-sanitizer memcheck, racecheck and synccheck of attention_decode and attention_prefill
+at partial-page lengths (this file, run as a script under the sanitizer), clean. Skipped where
+compute-sanitizer is absent."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def test_attention_decode_sanitizer_clean(tool):
     """attention_decode, both page loops (the cp.async ring with its fresh-row select; the TMA
     producer warp, mbarrier ring and consumer warps with their page patches), and the
     last-block merge, at partial-page lengths, several split counts, a ring reused many times,
-    pos beyond the table: this file run as a script."""
+    pos beyond the table; attention_prefill (its double-buffered cp.async key tiles, warps
+    skipping tiles, zero-filled rows past the last key) from an empty cache and after a prefix:
+    this file run as a script."""
     r = subprocess.run(sanitizer_cmd(tool, Path(__file__)), capture_output=True, text=True,
                        timeout=400)
     out = r.stdout + r.stderr
@@ -92,6 +95,29 @@ def _run_attention_decode() -> int:
                       f"min_pps={min_pps}: max err {float(dev.max()):.2e} close {close} "
                       f"cache equal {same} counters {cnt.tolist()}")
                 ok &= close and same and int(cnt.abs().sum()) == 0
+    # attention_prefill: (q0, T) from an empty cache and after a prefix, partial last pages, a
+    # chunk of several key tiles and row tiles; within 4e-3 of fp32 math (test_attention_prefill)
+    for d, nh, nkv, q0, T in ((128, 28, 4, 0, 17), (64, 14, 2, 0, 130), (128, 28, 4, 37, 70),
+                              (128, 40, 8, 200, 1)):
+        g = torch.Generator(device="cuda").manual_seed(q0 + T)
+        pages = -(-(q0 + T) // page) + 2
+        table = torch.randperm(pages, generator=g, device="cuda").int()
+        kc = torch.randn(pages, page, nkv, d, generator=g, device="cuda").half()
+        vc = torch.randn(pages, page, nkv, d, generator=g, device="cuda").half()
+        q = torch.randn(T, nh, d, generator=g, device="cuda").half()
+        out = torch.empty(T, nh * d, device="cuda").half()
+        ops.attention_prefill(out, q, kc, vc, table, q0)
+        n = q0 + T
+        p = torch.arange(n, device="cuda")
+        kk = kc[table[p // page].long(), p % page].float().repeat_interleave(nh // nkv, 1)
+        vv = vc[table[p // page].long(), p % page].float().repeat_interleave(nh // nkv, 1)
+        sc = torch.einsum("thd,lhd->htl", q.float(), kk) / math.sqrt(d)
+        sc = sc.masked_fill(p[None, None, :] > (q0 + torch.arange(T, device="cuda"))[None, :, None],
+                            float("-inf"))
+        ref = torch.einsum("htl,lhd->thd", torch.softmax(sc, -1), vv).reshape(T, nh * d)
+        dev = float((out.float() - ref).abs().max())
+        print(f"attention_prefill d={d} nh={nh} nkv={nkv} q0={q0} T={T}: max err {dev:.2e}")
+        ok &= dev < 4e-3
     torch.cuda.synchronize()
     return 0 if ok else 1
 
