@@ -6,6 +6,9 @@
 #           fp32 copies the prefill ran before silu_mul: resident_aten_chain_us)
 #   PART=F: `nanoqwen bench --synthetic 7b` TTFT: pp512 (resident, dequant), 0.5B and 1.5B pp512,
 #           7B pp2048, pp8192, pp30000 (resident), graph mode
+#   PART=K: the paged prefill attention against SDPA (NANOQWEN_PREFILL_ATTN_MAX=0) on one
+#           machine: 0.5B, 1.5B, 7B pp512, a 40-token next turn after 1024, 7B pp2048, pp8192,
+#           pp30000; JSON names say _paD (the default) / _pa0
 #   PART=X: profile_prefill.py: host enqueue against GPU time, ops and kernels (0.5B p512, 7B p512
 #           and p8192)
 #   PART=R: G and F (those in PART) again on the baseline: `patch -R` of AB_PATCH (the change as
@@ -49,6 +52,23 @@ g() {  # g LABEL: the per-projection GEMM bench
 }
 [[ "$P" == *G* ]] && g B
 [[ "$P" == *F* ]] && f B
+k() {  # k TAG PRESET ARGS...: a TTFT bench with the paged prefill attention, then with SDPA
+  local tag=$1 m=$2 v; shift 2
+  for v in "" 0; do
+    t "bench $m $tag NANOQWEN_PREFILL_ATTN_MAX=${v:-default}"
+    NANOQWEN_PREFILL_ATTN_MAX=$v timeout 150 nanoqwen bench --synthetic $m "$@" --mode graph \
+      --json > "$R/bench_${m}_${tag}_pa${v:-D}_$C.json" && show "$R/bench_${m}_${tag}_pa${v:-D}_$C.json"
+  done
+}
+if [[ "$P" == *K* ]]; then
+  k pp512 0.5b -p 512 -n 8 -r 5
+  k pp512 1.5b -p 512 -n 8 -r 5
+  k pp512 7b -p 512 -n 8 -r 5 --prefill-weights resident
+  k pp40d1024 7b -d 1024 -p 40 -n 8 -r 5 --prefill-weights resident
+  k pp2048 7b -p 2048 -n 4 -r 3 --prefill-weights resident
+  k pp8192 7b -p 8192 -n 4 -r 3 --prefill-weights resident
+  k pp30000 7b -p 30000 -n 4 -r 2 --prefill-weights resident
+fi
 if [[ "$P" == *X* ]]; then
   for a in "0.5b 512" "7b 512" "7b 8192"; do
     set -- $a
