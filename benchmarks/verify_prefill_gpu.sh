@@ -60,14 +60,14 @@ k() {  # k TAG PRESET ARGS...: a TTFT bench with the paged prefill attention, th
       --json > "$R/bench_${m}_${tag}_pa${v:-D}_$C.json" && show "$R/bench_${m}_${tag}_pa${v:-D}_$C.json"
   done
 }
-if [[ "$P" == *K* ]]; then
+if [[ "$P" == *K* ]]; then   # LIGHT=1: a short lease's four
   k pp512 0.5b -p 512 -n 8 -r 5
-  k pp512 1.5b -p 512 -n 8 -r 5
+  [ "${LIGHT:-0}" = 1 ] || k pp512 1.5b -p 512 -n 8 -r 5
   k pp512 7b -p 512 -n 8 -r 5 --prefill-weights resident
   k pp40d1024 7b -d 1024 -p 40 -n 8 -r 5 --prefill-weights resident
-  k pp2048 7b -p 2048 -n 4 -r 3 --prefill-weights resident
-  k pp8192 7b -p 8192 -n 4 -r 3 --prefill-weights resident
-  k pp30000 7b -p 30000 -n 4 -r 2 --prefill-weights resident
+  [ "${LIGHT:-0}" = 1 ] || k pp2048 7b -p 2048 -n 4 -r 3 --prefill-weights resident
+  k pp8192 7b -p 8192 -n 4 -r 2 --prefill-weights resident
+  [ "${LIGHT:-0}" = 1 ] || k pp30000 7b -p 30000 -n 4 -r 2 --prefill-weights resident
 fi
 if [[ "$P" == *X* ]]; then
   for a in "0.5b 512" "7b 512" "7b 8192"; do
