@@ -68,9 +68,12 @@ INT4_MAX_M = "NANOQWEN_INT4_MAX_M"
 INT4_MAX_M_DEFAULT = 128
 INT4_MAX_M_MAX = 2048   # CudaBackend's PREFILL_CHUNK: no chunk is longer
 PREFILL_ATTN_MAX = "NANOQWEN_PREFILL_ATTN_MAX"
-# the paged kernel (csrc/attention_prefill.cu) at every length until the device measures where
-# SDPA's flash kernel overtakes it (benchmarks/RESULTS.md, session 21)
-PREFILL_ATTN_MAX_DEFAULT = 131072
+# the paged kernel (csrc/attention_prefill.cu) up to 2048 positions, SDPA beyond: H100, TTFT ms
+# kernel / SDPA (benchmarks/RESULTS.md, session 21): 0.5B pp512 2.27 / 3.28, 1.5B 4.46 / 4.67,
+# 7B 11.90 / 12.07; at 2048 equal within noise (0.5B 5.83 / 5.80, 7B 49.55 / 49.30); 7B pp4096
+# 108.9 / 102.9, pp8192 256.6 / 229.6 (SDPA's flash kernel is faster on long rows; the kernel
+# saves the host's gathers and SDPA calls, which is what the small models wait for)
+PREFILL_ATTN_MAX_DEFAULT = 2048
 PREFILL_ATTN_MAX_MAX = 131072   # 4x the Qwen2.5-Coder context: every prompt
 
 
