@@ -1,5 +1,5 @@
 """The CUDA backend: the C++ engine core (csrc/engine.h, torch.classes.nanoqwen.Engine) over our
-kernels, with cuBLAS/SDPA through ATen for the prefill GEMMs and attention.
+kernels, with cuBLAS through ATen for the prefill GEMMs (and SDPA for long prompts' attention).
 
 Python here loads weights, allocates every buffer once and keeps the cache bookkeeping
 (kv_tokens, pages); it never sits on the hot path:
@@ -9,7 +9,8 @@ Python here loads weights, allocates every buffer once and keeps the cache bookk
     sample_token -> advance_step) is enqueued by C++ (launch_step); graph mode replays ONE
     graph captured from that launcher, gated by a halt flag; eager mode calls the launcher;
   * the whole prefill (layer by layer: cuBLAS on fp16 weights kept resident or dequantized
-    once per layer, or gemm_int4 on the INT4 weights themselves) is one C++ call;
+    once per layer, or gemm_int4 on the INT4 weights themselves; attention_prefill over the
+    pages, SDPA for chunks ending past 2048 positions) is one C++ call;
   * a C++ launcher thread keeps up to RUN_AHEAD steps queued; each sampled id lands in a
     pinned ring slot with a sequence number and the GPU's time; a stop id sets the halt flag
     on the device, so the steps queued after it do nothing (graph mode);
@@ -415,8 +416,9 @@ class CudaBackend(Backend):
         `sample`, also sample + advance (ring slot = counter). One C++ call (GIL released) that
         only enqueues: layer by layer, the projections (cuBLAS on fp16 weights resident or
         dequantized per layer, or gemm_int4 on the INT4 weights), rope_kv_write into the decode
-        pages, SDPA over the paged cache. One token is a decode step (graph or eager, as the
-        mode says)."""
+        pages, attention_prefill over the pages (a chunk whose context ends past
+        NANOQWEN_PREFILL_ATTN_MAX: SDPA over gathered K/V), silu_mul. One token is a decode
+        step (graph or eager, as the mode says)."""
         self._reserve(pos0 + len(tokens))
         self.core.prefill(torch.tensor(tokens, dtype=torch.int32), pos0, sample,
                           self._mode == "graph")
