@@ -41,7 +41,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,21 +68,6 @@ def med(xs):
 
 def ratio(a, b):
     return a / b if a is not None and b not in (None, 0) else None
-
-
-def git_commit() -> str:
-    # The device's copy of the tree keeps the commit it was first synced at (its `git` says
-    # "<that>-dirty"): the caller names the tree's commit (benchmarks/verify_app_gpu.sh).
-    if os.environ.get("NANOQWEN_COMMIT"):
-        return os.environ["NANOQWEN_COMMIT"]
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=REPO, capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def cpu_name() -> str:
@@ -495,15 +479,17 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(turns)
     print_summary(meta, summary, args)
     if args.json:
-        import torch
         import textual
+        import torch
+
+        from nanoqwen.engine.bench import _commit
 
         device = meta["device"]
         if device == "cpu":
             device = f"cpu: {cpu_name()}, {os.cpu_count()} cores"
         doc = dict(
             date=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-            device=device, commit=git_commit(), model=meta["model"],
+            device=device, commit=_commit(), model=meta["model"],
             model_file=str(Path(args.model).resolve()) if args.model else "bundled",
             backend=meta["backend"], mode=meta["mode"], tokens=args.tokens, reps=args.reps,
             warmup=args.warmup, engine_shared_with_app=meta["engine_shared_with_app"],

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
 
-    from bench_app import git_commit
+    from nanoqwen.engine.bench import _commit
     from nanoqwen.engine import loader
     from nanoqwen.engine.sampling import SamplerParams
     from nanoqwen.engine.session import ChatSession, Notice, Stats
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         if len(rows) > 1 else None)
     print(summary)
     out = dict(date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-               commit=git_commit(), device=platform.processor() or platform.machine(),
+               commit=_commit(), device=platform.processor() or platform.machine(),
                cpu_count=os.cpu_count(), backend=eng.backend.name, model=eng.backend.config.name,
                tokens=args.tokens, summary=summary, turns=rows)
     if args.json:

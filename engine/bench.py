@@ -86,8 +86,11 @@ def copy_bandwidth(device) -> float | None:
 
 
 def _commit() -> str:
-    # The GPU machine runs on a copy of the working tree without .git: the caller passes the
-    # commit in NANOQWEN_COMMIT (benchmarks/verify_gpu.sh's usage line shows how).
+    """The commit a benchmark's JSON records: NANOQWEN_COMMIT when set (the GPU machine runs on
+    a copy of the working tree without .git, so the caller names it: benchmarks/verify_gpu.sh's
+    usage line shows how), else this checkout's short HEAD with "-dirty" when tracked files
+    differ from it, else "unknown" (an installed copy, or no git). The one implementation the
+    CLI's bench and benchmarks/ use."""
     if os.environ.get("NANOQWEN_COMMIT"):
         return os.environ["NANOQWEN_COMMIT"]
     try:
@@ -97,7 +100,12 @@ def _commit() -> str:
             return "unknown"
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or "unknown"
+        sha = out.stdout.strip()
+        if not sha:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
+        return sha + ("-dirty" if dirty.stdout.strip() else "")
     except Exception:
         return "unknown"
 

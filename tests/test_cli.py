@@ -315,6 +315,26 @@ def test_bench_on_the_reference_backend_claims_no_bandwidth(tiny_model_path):
     assert "| % of copy |" in format_table(rows, 1)
 
 
+def test_bench_commit_names_the_tree(monkeypatch, tmp_path):
+    """A benchmark JSON's commit: NANOQWEN_COMMIT when set (the device's copy has no .git); in
+    this checkout its short HEAD, marked "-dirty" exactly when tracked files differ from it;
+    "unknown" for an installed copy without a checkout (engine/bench.py _commit)."""
+    import nanoqwen
+    from nanoqwen.engine.bench import _commit
+
+    monkeypatch.setenv("NANOQWEN_COMMIT", "abc1234")
+    assert _commit() == "abc1234"
+    monkeypatch.delenv("NANOQWEN_COMMIT")
+    if (nanoqwen.REPO_ROOT / ".git").exists():
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=nanoqwen.REPO_ROOT,
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=nanoqwen.REPO_ROOT, capture_output=True, text=True).stdout
+        assert _commit() == head + ("-dirty" if dirty.strip() else "")
+    monkeypatch.setattr(nanoqwen, "REPO_ROOT", tmp_path)   # no .git there
+    assert _commit() == "unknown"
+
+
 def test_bench_depth_prefills_the_prompt_after_the_cached_context(tiny_model_path, capsys):
     """`-d` (llama-bench's depth): every repetition forwards the same `depth` random ids first
     and then times the prompt's prefill and the decode on top of them: generate is called with
