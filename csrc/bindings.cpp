@@ -1048,7 +1048,7 @@ class Engine : public torch::CustomClassHolder {
         } else {
           Tensor gu = at::linear(xn, W[2]);                                       // [Tc, 2I]
           // fp32 math, one rounding, as the decode GEMV; one pass (the ATen chain of fp32
-          // copies it replaces cost ~140 us a layer at 512 tokens: benchmarks/RESULTS.md)
+          // copies it replaced cost ~160 us a layer at 512 tokens: benchmarks/RESULTS.md)
           Tensor act = at::empty({tc, I}, hopt);
           check_launch("prefill silu_mul",
                        nanoqwen::silu_mul(hp(act), chp(gu), (int)tc, (int)I, stream_));
