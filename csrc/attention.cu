@@ -115,6 +115,41 @@ __device__ __forceinline__ SplitSpan split_span(const int32_t* pos_ptr, int tabl
 // The decode step's fresh k/v row of kv head kvh at position p (new_t >= 0: this block holds
 // it): k rotated as rope_kv_write rounds it, v as is, into the cache and into s_knew / s_vnew
 // for the page loop. All NT threads of the block call it; no barrier inside.
+// The G query heads' RoPE, split around griddep_wait as both page loops need it: load() takes
+// this thread's cos/sin (tables written long before: safe before the wait), rotate() its pairs
+// i = tid + k * NT of the G * HD/2 (qkv is the GEMV's just before: after the wait) and hands
+// each rotated pair (rounded to fp16 as rope_kv_write stores it) to store(g, d, lo, hi).
+template <int HD, int G, int NT>
+struct QRope {
+  static constexpr int half_d = HD / 2;
+  static constexpr int kPairs = (G * half_d + NT - 1) / NT;
+  float c[kPairs], s[kPairs];
+  __device__ __forceinline__ void load(int tid, const float* __restrict__ cos_table,
+                                       const float* __restrict__ sin_table, int p_tab) {
+#pragma unroll
+    for (int k = 0; k < kPairs; ++k) {
+      const int d = (tid + k * NT) % half_d;
+      c[k] = cos_table[(size_t)p_tab * half_d + d];
+      s[k] = sin_table[(size_t)p_tab * half_d + d];
+    }
+  }
+  template <class Store>
+  __device__ __forceinline__ void rotate(int tid, const half* __restrict__ qkv, int head0,
+                                         Store store) const {
+#pragma unroll
+    for (int k = 0; k < kPairs; ++k) {
+      const int i = tid + k * NT;
+      if (i < G * half_d) {
+        const int g = i / half_d, d = i % half_d;
+        const half* x = qkv + (size_t)(head0 + g) * HD;
+        half lo, hi;
+        rope_pair(__half2float(x[d]), __half2float(x[d + half_d]), c[k], s[k], lo, hi);
+        store(g, d, lo, hi);
+      }
+    }
+  }
+};
+
 template <int HD, int NT>
 __device__ __forceinline__ void write_fresh_kv(half* __restrict__ k_cache,
                                                half* __restrict__ v_cache, half* s_knew,
@@ -343,32 +378,18 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
     if (i < np) issue_page(i);
     cp_async_commit();  // always: keeps the group count uniform for wait_group below
   }
-  // this thread's RoPE pairs of q: i = tid + k*128 over G * HD/2 pairs (at most 4 for 8 x 64)
-  constexpr int kQPairs = (G * half_d + kDecThreads - 1) / kDecThreads;
-  float cq[kQPairs], sq[kQPairs];
-#pragma unroll
-  for (int k = 0; k < kQPairs; ++k) {
-    const int d = (tid + k * kDecThreads) % half_d;
-    cq[k] = cos_table[(size_t)p_tab * half_d + d];
-    sq[k] = sin_table[(size_t)p_tab * half_d + d];
-  }
+  // this thread's RoPE pairs of q (at most 4 for 8 x 64)
+  QRope<HD, G, kDecThreads> qrope;
+  qrope.load(tid, cos_table, sin_table, p_tab);
 
   // ---- after the wait: qkv (the GEMV just before), cache writes, ws, counters ----
   if constexpr (!MQ) griddep_wait();
   griddep_launch_dependents();
 
-#pragma unroll
-  for (int k = 0; k < kQPairs; ++k) {
-    const int i = tid + k * kDecThreads;
-    if (i < G * half_d) {
-      const int g = i / half_d, d = i % half_d;
-      const half* x = qkv + (size_t)(head0 + g) * HD;
-      half lo, hi;
-      rope_pair(__half2float(x[d]), __half2float(x[d + half_d]), cq[k], sq[k], lo, hi);
-      s_q[g][d] = __half2float(lo) * scale_log2;  // q as rope_kv_write would store it
-      s_q[g][d + half_d] = __half2float(hi) * scale_log2;
-    }
-  }
+  qrope.rotate(tid, qkv, head0, [&](int g, int d, half lo, half hi) {
+    s_q[g][d] = __half2float(lo) * scale_log2;  // q as rope_kv_write would store it
+    s_q[g][d + half_d] = __half2float(hi) * scale_log2;
+  });
   if (new_t >= 0)  // block-uniform: this split holds pos, and pos is inside the table
     write_fresh_kv<HD, kDecThreads>(k_cache, v_cache, s_knew, s_vnew, qkv, cos_table, sin_table,
                                     page_table, p, p_tab, kvh, n_heads, n_kv);
@@ -654,31 +675,17 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
     load_windows();
     for (int i = 0; i < min(np, kTmaStages); ++i) issue_page(i);
   }
-  // this thread's RoPE pairs of q: i = tid + k * kTmaThreads over G * HD/2 pairs
-  constexpr int kQPairs = (G * half_d + kTmaThreads - 1) / kTmaThreads;
-  float cq[kQPairs], sq[kQPairs];
-#pragma unroll
-  for (int k = 0; k < kQPairs; ++k) {
-    const int d = (tid + k * kTmaThreads) % half_d;
-    cq[k] = cos_table[(size_t)p_tab * half_d + d];
-    sq[k] = sin_table[(size_t)p_tab * half_d + d];
-  }
+  // this thread's RoPE pairs of q
+  QRope<HD, G, kTmaThreads> qrope;
+  qrope.load(tid, cos_table, sin_table, p_tab);
 
   // ---- after the wait: qkv (the GEMV just before), cache writes, ws, counters ----
   if constexpr (!MQ) griddep_wait();
   griddep_launch_dependents();
-#pragma unroll
-  for (int k = 0; k < kQPairs; ++k) {
-    const int i = tid + k * kTmaThreads;
-    if (i < G * half_d) {
-      const int g = i / half_d, d = i % half_d;
-      const half* x = qkv + (size_t)(head0 + g) * HD;
-      half lo, hi;  // q as rope_kv_write would store it; the scale is applied to the scores
-      rope_pair(__half2float(x[d]), __half2float(x[d + half_d]), cq[k], sq[k], lo, hi);
-      s_qh[g][d] = lo;
-      s_qh[g][d + half_d] = hi;
-    }
-  }
+  qrope.rotate(tid, qkv, head0, [&](int g, int d, half lo, half hi) {
+    s_qh[g][d] = lo;   // q as rope_kv_write would store it; the scale is applied to the scores
+    s_qh[g][d + half_d] = hi;
+  });
   if (new_t >= 0)  // block-uniform: this split holds pos, and pos is inside the table
     write_fresh_kv<HD, kTmaThreads>(k_cache, v_cache, s_knew, s_vnew, qkv, cos_table, sin_table,
                                     page_table, sp.p, p_tab, kvh, n_heads, n_kv);
