@@ -52,7 +52,6 @@ namespace nanoqwen {
 constexpr int kDecWarps = 4;
 constexpr int kDecThreads = kDecWarps * 32;
 constexpr int kDecStages = 4;       // K/V pages in the shared-memory ring (3 in flight)
-constexpr float kNegBig = -1e30f;   // finite "minus infinity" for running maxima
 
 __device__ __forceinline__ void half8_to_float(float (&f)[8], uint4 u) {
   const half2* h = reinterpret_cast<const half2*>(&u);

@@ -30,7 +30,6 @@ constexpr int kPfWarps = 4;
 constexpr int kPfThreads = kPfWarps * 32;
 constexpr int kPfRows = 16 * kPfWarps;   // query rows a block
 constexpr int kPfKeys = 64;              // keys a tile (4 pages)
-constexpr float kPfNegBig = -1e30f;
 
 template <int HD>
 struct PfTile {
@@ -106,7 +105,7 @@ attn_prefill_kernel(half* __restrict__ out, const half* __restrict__ q,
   const int k_row = (mi >> 1) * 8 + mr, k_q = mi & 1;   // K: key row, chunk within a k16 step
   const int v_row = (mi & 1) * 8 + mr, v_q = mi >> 1;   // V (transposed): the same for a d16 tile
 
-  float m_a = kPfNegBig, m_b = kPfNegBig, l_a = 0.f, l_b = 0.f;   // l: this lane's share
+  float m_a = kNegBig, m_b = kNegBig, l_a = 0.f, l_b = 0.f;   // l: this lane's share
   float acc[NT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
@@ -139,7 +138,7 @@ attn_prefill_kernel(half* __restrict__ out, const half* __restrict__ q,
       }
       // scale (base 2) and the causal mask where the tile reaches past the warp's first row
       const bool masked = key0 + kPfKeys - 1 > warp_first;   // warp-uniform
-      float mx_a = kPfNegBig, mx_b = kPfNegBig;
+      float mx_a = kNegBig, mx_b = kNegBig;
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll

@@ -180,6 +180,10 @@ __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// finite "minus infinity" for the attention kernels' running maxima: a row that has seen only
+// masked keys keeps corr = exp2(m - m) = 1 and p = 0, never inf - inf = NaN
+constexpr float kNegBig = -1e30f;
+
 // shared-memory address of a generic pointer into shared memory (for PTX operands)
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
