@@ -1,6 +1,6 @@
 # Sourced first by the benchmarks/verify_*_gpu.sh scripts that return a results tarball: strict
 # pipes, $OUT and its results folder $R, the clock and t() (a timestamped heading), the commit $C
-# (NANOQWEN_COMMIT: the device's copy has no .git) and the part $P (PART, default A).
+# (NANOQWEN_COMMIT: the device's copy has no .git), the part $P (PART, default A) and bj().
 set -o pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16
 OUT=${OUT:-/tmp/out}; R="$OUT/r"; mkdir -p "$R"
@@ -8,3 +8,13 @@ S=$(date +%s)
 t() { echo "[$(( $(date +%s) - S ))s] == $*"; }
 C=${NANOQWEN_COMMIT:-unknown}
 P=${PART:-A}
+# bj NAME ARGS...: `nanoqwen bench ARGS --json` into $R/NAME.json, then its rows' figures on one
+# line (mode, test, TTFT or ms/token; the prefill weights first where the JSON has them). An
+# environment assignment before it (NANOQWEN_ATTN_TMA=1 bj ...) reaches the bench.
+bj() {
+  local f="$R/$1.json"; shift
+  timeout 200 nanoqwen bench "$@" --json > "$f" && python3 -c "import json, sys
+d = json.load(open(sys.argv[1]))
+print(*([d['prefill_weights']] if d.get('prefill_weights') else []),
+      [(r.get('mode'), r['test'], r.get('ttft_ms') or r.get('ms_per_token')) for r in d['rows']])" "$f"
+}

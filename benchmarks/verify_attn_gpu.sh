@@ -21,10 +21,8 @@
 source benchmarks/device_prelude.sh
 b() {  # b TMA TAG ARGS...: one 7B bench run's JSON and its figures
   local tma=$1 tag=$2; shift 2
-  local f="$R/bench_7b_${tag}_tma${tma}_$C.json"
   t "bench 7b $* (NANOQWEN_ATTN_TMA=$tma)"
-  NANOQWEN_ATTN_TMA=$tma timeout 200 nanoqwen bench --synthetic 7b "$@" --json > "$f" \
-    && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([(r.get('mode'), r['test'], r.get('ttft_ms') or r.get('ms_per_token')) for r in d['rows']])" "$f"
+  NANOQWEN_ATTN_TMA=$tma bj "bench_7b_${tag}_tma${tma}_$C" --synthetic 7b "$@"
 }
 {
 source benchmarks/device_setup.sh

@@ -18,26 +18,21 @@
 # The JSON files come back as one $OUT/results_<PART>_<commit>.tgz, the log beside it.
 source benchmarks/device_prelude.sh
 f() {  # f LABEL: the TTFT runs
-  local L=$1 w p
+  local L=$1 w m p
   for w in resident dequant; do
     t "bench 7b pp512 $w ($L)"
-    timeout 120 nanoqwen bench --synthetic 7b -p 512 -n 8 -r 5 --mode graph --prefill-weights $w \
-      --json > "$R/bench_7b_pp512_${w}_${L}_$C.json" && show "$R/bench_7b_pp512_${w}_${L}_$C.json"
+    bj "bench_7b_pp512_${w}_${L}_$C" --synthetic 7b -p 512 -n 8 -r 5 --mode graph --prefill-weights $w
   done
   for m in 0.5b 1.5b; do   # small models: bound by the host's per-op costs (issue 14)
     t "bench $m pp512 resident ($L)"
-    timeout 100 nanoqwen bench --synthetic $m -p 512 -n 8 -r 5 --mode graph --prefill-weights resident \
-      --json > "$R/bench_${m}_pp512_resident_${L}_$C.json" && show "$R/bench_${m}_pp512_resident_${L}_$C.json"
+    bj "bench_${m}_pp512_resident_${L}_$C" --synthetic $m -p 512 -n 8 -r 5 --mode graph \
+      --prefill-weights resident
   done
   for p in 2048 8192 30000; do
     t "bench 7b pp$p resident ($L)"
-    timeout 150 nanoqwen bench --synthetic 7b -p $p -n 4 -r $([ $p = 30000 ] && echo 2 || echo 3) \
-      --mode graph --prefill-weights resident --json > "$R/bench_7b_pp${p}_resident_${L}_$C.json" \
-      && show "$R/bench_7b_pp${p}_resident_${L}_$C.json"
+    bj "bench_7b_pp${p}_resident_${L}_$C" --synthetic 7b -p $p -n 4 \
+      -r $([ $p = 30000 ] && echo 2 || echo 3) --mode graph --prefill-weights resident
   done
-}
-show() {
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([(r['test'], r.get('ttft_ms') or r.get('ms_per_token')) for r in d['rows']])" "$1"
 }
 {
 source benchmarks/device_setup.sh
@@ -56,8 +51,7 @@ k() {  # k TAG PRESET ARGS...: a TTFT bench with the paged prefill attention, th
   local tag=$1 m=$2 v; shift 2
   for v in "" 0; do
     t "bench $m $tag NANOQWEN_PREFILL_ATTN_MAX=${v:-default}"
-    NANOQWEN_PREFILL_ATTN_MAX=$v timeout 150 nanoqwen bench --synthetic $m "$@" --mode graph \
-      --json > "$R/bench_${m}_${tag}_pa${v:-D}_$C.json" && show "$R/bench_${m}_${tag}_pa${v:-D}_$C.json"
+    NANOQWEN_PREFILL_ATTN_MAX=$v bj "bench_${m}_${tag}_pa${v:-D}_$C" --synthetic $m "$@" --mode graph
   done
 }
 if [[ "$P" == *K* ]]; then   # LIGHT=1: a short lease's four

@@ -14,10 +14,9 @@
 source benchmarks/device_prelude.sh
 pf() {  # pf TAG PRESET WEIGHTS ARGS...: one bench run's JSON and its figures
   local tag=$1 p=$2 w=$3; shift 3
-  local f="$R/bench_${p}_pf_${w}${tag}_$(echo "$*" | tr -d ' -')_$C.json"
   t "bench $p --prefill-weights $w $* ($tag)"
-  timeout 150 nanoqwen bench --synthetic "$p" --prefill-weights "$w" --mode graph "$@" --json > "$f" \
-    && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['prefill_weights'], [(r['test'], r.get('ttft_ms') or r.get('ms_per_token')) for r in d['rows']])" "$f"
+  bj "bench_${p}_pf_${w}${tag}_$(echo "$*" | tr -d ' -')_$C" --synthetic "$p" --prefill-weights "$w" \
+    --mode graph "$@"
 }
 {
 source benchmarks/device_setup.sh
@@ -28,7 +27,7 @@ if [ "$P" = A ]; then
   NANOQWEN_INT4_MAX_M=0 pf _maxm0 7b dequant -d 1024 -p 40 -n 8 -r 5
   for w in resident dequant int4; do pf "" 7b $w -p 512 -n 8 -r 5; done
   pf "" 7b int4 -p 2048 -n 8 -r 3
-  t "bench 7b decode"; timeout 100 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph,eager --json > "$R/bench_7b_$C.json" && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([(r['mode'], r['test'], r.get('ttft_ms') or r.get('ms_per_token')) for r in d['rows']])" "$R/bench_7b_$C.json"
+  t "bench 7b decode"; bj "bench_7b_$C" --synthetic 7b -p 512 -n 128 -r 5 --mode graph,eager
 else
   for p in 32b 1.5b 0.5b; do for w in int4 dequant; do pf "" $p $w -p 512 -n 8 -r 5; done; done
   t "lab gemm_int4_shapes"; timeout 300 python3 benchmarks/lab/gemm_int4_shapes.py --json "$R/lab_gemm_int4_shapes_$C.json" 2>&1 | grep -v "^proj"
