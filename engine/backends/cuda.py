@@ -10,7 +10,7 @@ Python here loads weights, allocates every buffer once and keeps the cache bookk
     graph captured from that launcher, gated by a halt flag; eager mode calls the launcher;
   * the whole prefill (layer by layer: cuBLAS on fp16 weights kept resident or dequantized
     once per layer, or gemm_int4 on the INT4 weights themselves; attention_prefill over the
-    pages, SDPA for chunks ending past 2048 positions) is one C++ call;
+    pages, SDPA for chunks ending past NANOQWEN_PREFILL_ATTN_MAX) is one C++ call;
   * a C++ launcher thread keeps up to RUN_AHEAD steps queued; each sampled id lands in a
     pinned ring slot with a sequence number and the GPU's time; a stop id sets the halt flag
     on the device, so the steps queued after it do nothing (graph mode);
