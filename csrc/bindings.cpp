@@ -1026,7 +1026,9 @@ class Engine : public torch::CustomClassHolder {
                                                     chp(lt[6]), (int)tc, (int)H, (int)(nh * hd),
                                                     sc.get(), stream_));
         } else {
-          h.add_(at::linear(att, W[1]));
+          // h += att W_o^T in one cuBLAS call: fp16 operands, fp32 accumulation into the fp32
+          // residual (beta = 1), no fp16 product written, read back and added by a second kernel
+          at::addmm_out(h, h, att, W[1].t(), at::kFloat, 1, 1);
         }
         check_launch("prefill rmsnorm", nanoqwen::rmsnorm(hp(xn), h.data_ptr<float>(), L.ln2, (int)tc,
                                                           (int)H, a.eps, stream_));
@@ -1052,7 +1054,7 @@ class Engine : public torch::CustomClassHolder {
           Tensor act = at::empty({tc, I}, hopt);
           check_launch("prefill silu_mul",
                        nanoqwen::silu_mul(hp(act), chp(gu), (int)tc, (int)I, stream_));
-          h.add_(at::linear(act, W[3]));
+          at::addmm_out(h, h, act, W[3].t(), at::kFloat, 1, 1);   // h += act W_down^T, as o
         }
       }
     }
