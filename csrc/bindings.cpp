@@ -659,8 +659,9 @@ class Engine : public torch::CustomClassHolder {
   //   stops [1+8] int32                                                        (24 tensors)
   // layers: 15 a layer: ln1, ln2, qkv_qw, qkv_sc, qkv_b, o_qw, o_sc, gate_qw, gate_sc, up_qw,
   //   up_sc, down_qw, down_sc, k_cache, v_cache
-  // dense: 4 a layer (resident fp16 W_qkv, W_o, W_gate_up, W_down), or 4 scratch matrices
-  //   (per-layer dequant before each layer's prefill GEMMs)
+  // dense: 4 a layer (resident fp16 W_qkv, W_o, W_gate_up, W_down), or 8 scratch matrices
+  //   (per-layer dequant: two sets of 4, the next layer dequantized into one on a side stream
+  //   while the current layer's prefill GEMMs read the other)
   // ints: H, I, n_heads, n_kv, head_dim, vocab, int4_max_m (with dequant prefill weights, prompt
   //   chunks of at most this many tokens go through gemm_int4 instead; 0: never), min_pps, num_splits,
   //   prefill weights (0 dequant, 1 resident, 2 int4: no dense matrices, gemm_int4 on the INT4
@@ -682,7 +683,7 @@ class Engine : public torch::CustomClassHolder {
              " must be 0 (dequant), 1 (resident) or 2 (int4)");
     resident_ = ints[9] == 1;
     int4_ = ints[9] == 2;
-    const int64_t n_dense = resident_ ? 4 * nl : int4_ ? 0 : 4;
+    const int64_t n_dense = resident_ ? 4 * nl : int4_ ? 0 : 8;
     NQ_CHECK(d_.size() == (size_t)n_dense, op, ": dense has ", (int64_t)d_.size(),
              " matrices, expected ", n_dense);
     chunk_ = ints[10];
@@ -784,6 +785,13 @@ class Engine : public torch::CustomClassHolder {
     const c10::cuda::CUDAGuard dg(device_);
     loop_ = std::make_unique<nanoqwen::DecodeLoop>(&a_, stream_, (int)device_.index());
     NQ_CHECK(loop_->ring() != nullptr, op, ": ", nanoqwen::take_last_error());
+    if (!resident_ && !int4_) {   // the dequant prefill's side stream and its events
+      check_cuda(cudaStreamCreateWithFlags(&dq_stream_, cudaStreamNonBlocking),
+                 "Engine: cudaStreamCreateWithFlags (the dequantization stream)");
+      for (cudaEvent_t* e : {&dq_start_, &dq_ready_[0], &dq_ready_[1], &dq_free_[0], &dq_free_[1]})
+        check_cuda(cudaEventCreateWithFlags(e, cudaEventDisableTiming),
+                   "Engine: cudaEventCreateWithFlags (the dequantization events)");
+    }
   }
 
   // Capture the decode step; true when the graph is halt-gated (engine.h).
@@ -981,11 +989,38 @@ class Engine : public torch::CustomClassHolder {
     for (const auto& ch : chunks) all_int4 = all_int4 && via_int4(ch.second - ch.first);
     if (!split_counters_.defined())
       split_counters_ = at::zeros({nanoqwen::kGemmCounters}, iopt);
-    for (size_t li = 0; li < a.layers.size(); ++li) {
+    // dequant weights: layer li's fp16 copy in scratch set li % 2, written on dq_stream_ while
+    // stream_ runs layer li - 1 on the other set (the dequantization is memory-bound, the
+    // GEMMs mostly compute-bound): ready[set] orders a set's writes before its layer's reads,
+    // free[set] its layer's last reads before the writes of the layer two on, and start orders
+    // the first two sets' writes after all that stream_ held before this prefill
+    const bool dq = !resident_ && !int4_ && !all_int4;
+    const size_t nl = a.layers.size();
+    if (dq) {
+      check_cuda(cudaEventRecord(dq_start_, stream_), "prefill: cudaEventRecord (dequant start)");
+      check_cuda(cudaStreamWaitEvent(dq_stream_, dq_start_, 0),
+                 "prefill: cudaStreamWaitEvent (the dequantization stream on the prefill's start)");
+      dequant_layer(0, 0, dq_stream_);
+      check_cuda(cudaEventRecord(dq_ready_[0], dq_stream_), "prefill: cudaEventRecord (layer 0)");
+    }
+    for (size_t li = 0; li < nl; ++li) {
       const nanoqwen::LayerPtrs& L = a.layers[li];
       const Tensor* lt = &l_[15 * li];
-      const Tensor* W = resident_ ? &d_[4 * li] : int4_ ? nullptr : &d_[0];
-      if (!resident_ && !int4_ && !all_int4) dequant_layer(li);
+      const int set = (int)(li & 1);
+      const Tensor* W = resident_ ? &d_[4 * li] : int4_ ? nullptr : &d_[4 * set];
+      if (dq) {
+        if (li + 1 < nl) {   // the next layer into the other set, once layer li - 1 is done
+          const int next = set ^ 1;
+          if (li >= 1)
+            check_cuda(cudaStreamWaitEvent(dq_stream_, dq_free_[next], 0),
+                       "prefill: cudaStreamWaitEvent (a dequantization set's last reads)");
+          dequant_layer(li + 1, next, dq_stream_);
+          check_cuda(cudaEventRecord(dq_ready_[next], dq_stream_),
+                     "prefill: cudaEventRecord (a layer's fp16 copy written)");
+        }
+        check_cuda(cudaStreamWaitEvent(stream_, dq_ready_[set], 0),
+                   "prefill: cudaStreamWaitEvent (the layer's fp16 copy)");
+      }
       for (size_t c = 0; c < chunks.size(); ++c) {
         const int64_t s = chunks[c].first, e = chunks[c].second, tc = e - s;
         const bool q4 = via_int4(tc);
@@ -1057,6 +1092,8 @@ class Engine : public torch::CustomClassHolder {
           at::addmm_out(h, h, act, W[3].t(), at::kFloat, 1, 1);   // h += act W_down^T, as o
         }
       }
+      if (dq)   // the set's last reader is enqueued: the layer after next may overwrite it
+        check_cuda(cudaEventRecord(dq_free_[set], stream_), "prefill: cudaEventRecord (set free)");
     }
     // the last row into the decode step's residual buffer: the same logits tail as a step
     g_[3].copy_(hidden.narrow(0, T - 1, 1));
@@ -1107,6 +1144,9 @@ class Engine : public torch::CustomClassHolder {
   ~Engine() {
     for (cudaGraphExec_t& x : vexec_)
       if (x) cudaGraphExecDestroy(x);
+    for (cudaEvent_t e : {dq_start_, dq_ready_[0], dq_ready_[1], dq_free_[0], dq_free_[1]})
+      if (e) cudaEventDestroy(e);
+    if (dq_stream_) cudaStreamDestroy(dq_stream_);
   }
 
   // Start the launcher thread for steps 1..n_steps (engine.h).
@@ -1163,19 +1203,21 @@ class Engine : public torch::CustomClassHolder {
   bool gated() { return loop_->gated(); }
 
  private:
-  void dequant_layer(size_t li) {
+  // layer li's INT4 weights -> fp16 scratch set `set` (d_[4 set .. 4 set + 3]) on `stream`
+  void dequant_layer(size_t li, int set, cudaStream_t stream) {
     const Tensor* lt = &l_[15 * li];
+    const Tensor* d = &d_[4 * set];
     const int64_t I = a_.I;
     auto dq = [&](const Tensor& w, const Tensor& qweight, const Tensor& scales) {
       check_launch("prefill dequant_int4",
                    nanoqwen::dequant_int4(hp(w), qw(qweight), chp(scales), (int)w.size(0),
-                                          (int)w.size(1), stream_));
+                                          (int)w.size(1), stream));
     };
-    dq(d_[0], lt[2], lt[3]);
-    dq(d_[1], lt[5], lt[6]);
-    dq(d_[2].narrow(0, 0, I), lt[7], lt[8]);
-    dq(d_[2].narrow(0, I, I), lt[9], lt[10]);
-    dq(d_[3], lt[11], lt[12]);
+    dq(d[0], lt[2], lt[3]);
+    dq(d[1], lt[5], lt[6]);
+    dq(d[2].narrow(0, 0, I), lt[7], lt[8]);
+    dq(d[2].narrow(0, I, I), lt[9], lt[10]);
+    dq(d[3], lt[11], lt[12]);
   }
 
   // Causal GQA attention of queries at positions q0..q1-1 over cached positions 0..q1-1, whose
@@ -1242,6 +1284,8 @@ class Engine : public torch::CustomClassHolder {
   int64_t chunk_ = 2048;
   c10::Device device_{c10::kCUDA, 0};
   cudaStream_t stream_ = nullptr;
+  cudaStream_t dq_stream_ = nullptr;   // dequant weights: the next layer's dequantization
+  cudaEvent_t dq_start_ = nullptr, dq_ready_[2] = {}, dq_free_[2] = {};
   nanoqwen::StepArgs a_;
   std::unique_ptr<nanoqwen::DecodeLoop> loop_;
   int32_t stops_host_[1 + nanoqwen::kMaxStops] = {};

@@ -174,11 +174,12 @@ class CudaBackend(Backend):
         return c.num_hidden_layers * per_layer
 
     def _required_bytes(self, scratch: bool = False) -> int:
-        """Weights, KV cache, activations; `scratch`: one layer's fp16 copy ("dequant")."""
+        """Weights, KV cache, activations; `scratch`: two layers' fp16 copies ("dequant": the
+        next layer is dequantized while the current one runs)."""
         c = self.config
         pages = math.ceil(self.max_context / KV_PAGE_SIZE)
         kv = 2 * c.num_hidden_layers * pages * KV_PAGE_SIZE * c.kv_size * 2
-        per_layer_dense = sum(n * k for n, k in c.projection_shapes().values()) * 2 \
+        per_layer_dense = 2 * sum(n * k for n, k in c.projection_shapes().values()) * 2 \
             if scratch else 0
         chunk = min(PREFILL_CHUNK, self.max_context)
         acts = chunk * (c.hidden_size * 12 + c.intermediate_size * 12 + c.vocab_size * 0) \
@@ -318,7 +319,10 @@ class CudaBackend(Backend):
         self.params_i = torch.tensor([0, 0, 0, 0], dtype=torch.int64, device=dev)
         self.stops = i32(1 + MAX_STOP_IDS)   # the turn's stop ids: count, then ids
         if self.prefill_weights == "dequant":
-            self._scratch = self._dequant_layer(self.layers[0], None)
+            # two sets: the engine dequantizes the next layer into one on a side stream while
+            # the current layer's GEMMs read the other (their contents are written per prefill)
+            self._scratch = self._dequant_layer(self.layers[0], None) \
+                + self._dequant_layer(self.layers[0], None)
 
     # --- the engine core -------------------------------------------------------------------------
     def core_args(self, n_layers: int | None = None) -> tuple[list, list, list, list[int]]:

@@ -194,3 +194,26 @@ def test_a_short_prompt_goes_through_gemm_int4_and_matches_cublas(monkeypatch):
     (la, ka), (lb, kb) = out["0"], out["64"]
     assert float((la - lb).norm() / la.norm()) < 2e-2
     assert float((ka - kb).norm() / ka.norm()) < 2e-2
+
+
+def test_dequant_prefill_equals_resident(monkeypatch):
+    """The dequant prefill -- each layer's fp16 copy written on a side stream into one of two
+    scratch sets while the previous layer's GEMMs read the other -- computes what the resident
+    prefill does, bit for bit (the same fp16 weights, the same cuBLAS GEMMs): a missing wait
+    would let a layer read a set still being written or already overwritten. A 300-token
+    prompt and a 200-token next turn (INT4_MAX_M 0: no chunk through gemm_int4)."""
+    from nanoqwen.engine.backends.cuda import CudaBackend
+    from nanoqwen.engine.config import ModelConfig
+    from nanoqwen.engine.switches import INT4_MAX_M
+
+    monkeypatch.setenv(INT4_MAX_M, "0")
+    cfg = ModelConfig.from_name("0.5b")
+    ctx, turn = list(range(100, 400)), list(range(500, 700))
+    out = {}
+    for weights in ("resident", "dequant"):
+        be = CudaBackend.synthetic(cfg, max_context=1024, prefill_weights=weights)
+        out[weights] = be.forward(ctx), be.forward(turn), be.forward(turn[:50])
+        del be
+        torch.cuda.empty_cache()
+    for a, b in zip(out["resident"], out["dequant"]):
+        assert torch.equal(a, b)
