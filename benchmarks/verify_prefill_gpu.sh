@@ -11,6 +11,8 @@
 #           pp30000; JSON names say _paD (the default) / _pa0
 #   PART=X: profile_prefill.py: host enqueue against GPU time, ops and kernels (0.5B p512, 7B p512
 #           and p8192)
+#   PART=W: lab/gemm_w4_wgmma.py: the prefill GEMM on wgmma against fp32 math, cuBLAS resident,
+#           dequant + cuBLAS and gemm_int4 (7B, m = 128, 512, 2048, 8192); runs before G/F
 #   PART=R: G and F (those in PART) again on the baseline: `patch -R` of AB_PATCH (the change as
 #           a diff against the baseline), rebuild; their JSON names say _A (the change's _B)
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=GFXR AB_PATCH=F \
@@ -39,6 +41,11 @@ source benchmarks/device_setup.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
 if [[ "$P" == *T* ]]; then
   t "tests/gpu"; timeout ${TEST_TIMEOUT:-400} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -40
+fi
+if [[ "$P" == *W* ]]; then
+  t "lab gemm_w4_wgmma 7b"
+  timeout 300 python3 benchmarks/lab/gemm_w4_wgmma.py --json "$R/lab_gemm_w4_wgmma_7b_$C.json" \
+    2>&1 | tail -60
 fi
 g() {  # g LABEL: the per-projection GEMM bench
   t "bench_gemm_int4 7b ($1)"
