@@ -375,7 +375,7 @@ __global__ void __launch_bounds__(WG * 128, 1) gemm_w4_wgmma_kernel(const WArgs 
     } else {
       const float* e = reinterpret_cast<const float*>(smem) + tok * C::EPAD + j0;
       half* y = static_cast<half*>(a.out) + o;
-      half v[8];
+      __align__(16) half v[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const float gv = e[j], uv = e[j + C::BR / 2];
