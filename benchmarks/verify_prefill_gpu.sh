@@ -12,7 +12,7 @@
 #   PART=X: profile_prefill.py: host enqueue against GPU time, ops and kernels (0.5B p512, 7B p512
 #           and p8192)
 #   PART=W: lab/gemm_w4_wgmma.py: the prefill GEMM on wgmma against fp32 math, cuBLAS resident,
-#           dequant + cuBLAS and gemm_int4 (7B, m = 128, 512, 2048, 8192); runs before G/F
+#           dequant + cuBLAS and gemm_int4 (7B, m = 128, 512, 2048: the prefill's chunks are at most 2048); runs before G/F
 #   PART=R: G and F (those in PART) again on the baseline: `patch -R` of AB_PATCH (the change as
 #           a diff against the baseline), rebuild; their JSON names say _A (the change's _B)
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=GFXR AB_PATCH=F \
