@@ -1,7 +1,8 @@
 """The prefill's INT4 GEMMs (csrc/gemm_int4.cu: gemm_int4, gemm_int4_residual, gemm_int4_silu_mul)
 through torch.ops.nanoqwen, and the prefill that uses them (prefill_weights="int4"), on fresh
-random data: every projection shape of the family (0.5B-32B), token counts 1, 15, 17, 64, 65, 100
-and 511 (every block shape, partial tiles), random codes 1..15 and scales, outputs poisoned with
+random data: every projection shape of the family (0.5B-32B), token counts 1, 15, 17, 64, 65, 100,
+127, 128, 129 and 511 (every block shape of the mma.sync kernel below 128 tokens and of the wgmma
+kernel from 128, partial tiles), random codes 1..15 and scales, outputs poisoned with
 NaN (a skipped row or token fails), and bad shapes raising with the numbers.
 
 Reference: fp64 math on the fp16 weight dequant_int4 gives (bit-exact to quant.dequantize(...)
@@ -26,7 +27,7 @@ pytestmark = [pytest.mark.cuda,
 TOL_HALF = 1e-3
 TOL_F32 = 1e-4
 NAN = float("nan")
-MS = (1, 15, 17, 64, 65, 100, 511)
+MS = (1, 15, 17, 64, 65, 100, 127, 128, 129, 511)   # 128 on: the wgmma kernel
 
 
 def ops():
@@ -71,7 +72,7 @@ def dot_scale(w, x):
 def test_gemm_int4_matches_fp64_at_every_family_shape(n, k, gen):
     qw, sc, w = rand_int4(n, k, gen)
     bias = (torch.randn(n, generator=gen, device="cuda") * 0.5).half()
-    for m in (MS if max(n, k) <= 8960 else (1, 17, 100)):   # the largest shapes: fewer m
+    for m in (MS if max(n, k) <= 8960 else (1, 17, 100, 300)):   # the largest: fewer m
         x = (torch.randn(m, k, generator=gen, device="cuda")).half()
         ref = x.double() @ w.double().T
         s = dot_scale(w, x)
@@ -90,7 +91,7 @@ def test_gemm_int4_matches_fp64_at_every_family_shape(n, k, gen):
 def test_gemm_int4_silu_mul_matches_fp64(n, k, gen):
     qg, sg, wg = rand_int4(n, k, gen)
     qu, su, wu = rand_int4(n, k, gen)
-    for m in (1, 12, 17, 65, 100):   # every block shape the SiLU epilogue takes (by m)
+    for m in (1, 12, 17, 65, 100, 128, 300):   # every block shape the SiLU epilogue takes
         x = torch.randn(m, k, generator=gen, device="cuda").half()
         g, u = x.double() @ wg.double().T, x.double() @ wu.double().T
         ref = torch.nn.functional.silu(g) * u
@@ -105,7 +106,7 @@ def test_gemm_int4_silu_mul_matches_fp64(n, k, gen):
 @pytest.mark.parametrize("m", [40, 300])
 def test_gemm_int4_is_deterministic(m, gen):
     """m = 40 splits K across blocks (7B down_proj: 56 output tiles), whose partials the tile's
-    last block sums in split order whichever block comes last; m = 300 does not split."""
+    last block sums in split order whichever block comes last; m = 300 (the wgmma kernel) does not split."""
     qw, sc, _ = rand_int4(3584, 18944, gen)
     x = torch.randn(m, 18944, generator=gen, device="cuda").half()
     outs = []
