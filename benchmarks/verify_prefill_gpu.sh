@@ -12,7 +12,8 @@
 #   PART=X: profile_prefill.py: host enqueue against GPU time, ops and kernels (0.5B p512, 7B p512
 #           and p8192)
 #   PART=W: lab/gemm_w4_wgmma.py: the prefill GEMM on wgmma against fp32 math, cuBLAS resident,
-#           dequant + cuBLAS and gemm_int4 (7B, m = 128, 512, 2048: the prefill's chunks are at most 2048); runs before G/F
+#           dequant + cuBLAS and gemm_int4 (7B, m = 128, 512, 2048: the prefill's chunks are at most
+#           2048); then 7B TTFT pp512 and pp2048 with --prefill-weights int4; runs before G/F
 #   PART=R: G and F (those in PART) again on the baseline: `patch -R` of AB_PATCH (the change as
 #           a diff against the baseline), rebuild; their JSON names say _A (the change's _B)
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=GFXR AB_PATCH=F \
@@ -46,6 +47,10 @@ if [[ "$P" == *W* ]]; then
   t "lab gemm_w4_wgmma 7b"
   timeout 300 python3 benchmarks/lab/gemm_w4_wgmma.py --json "$R/lab_gemm_w4_wgmma_7b_$C.json" \
     2>&1 | tail -60
+  for p in 512 2048; do   # the prefill on the INT4 weights, gemm_int4 for every chunk
+    t "bench 7b pp$p int4"
+    bj "bench_7b_pp${p}_int4_$C" --synthetic 7b -p $p -n 8 -r 5 --mode graph --prefill-weights int4
+  done
 fi
 g() {  # g LABEL: the per-projection GEMM bench
   t "bench_gemm_int4 7b ($1)"
