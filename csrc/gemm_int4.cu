@@ -409,8 +409,13 @@ struct WgCfg {
   static constexpr int SMEM = (S * STAGE > EPI ? S * STAGE : EPI) + 1024;   // + alignment
 };
 
-template <int WG, int MT, int BT, int S, int OP>
+// DR: drain the wgmma pipe at each stage's end and prefetch S - 1 stages ahead; !DR: prefetch
+// S - 2 ahead, so the slot a stage overwrites was read two stages back (its wgmmas retired by
+// the previous stage's first wait) and the last step's wgmmas overlap the next stage's start
+template <int WG, int MT, int BT, int S, int OP, bool DR>
 __global__ void __launch_bounds__(WG * 128, 1) gemm_int4_wgmma_kernel(const GArgs a) {
+  static_assert(DR || S >= 3, "without the drain the ring needs 3 stages");
+  constexpr int PD = DR ? S - 1 : S - 2;   // stages in flight ahead of the one computed
   using C = WgCfg<WG, MT, BT, S, OP>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(
@@ -491,7 +496,7 @@ __global__ void __launch_bounds__(WG * 128, 1) gemm_int4_wgmma_kernel(const GArg
     for (int i = 0; i < BT / 2; ++i) acc[mt][i] = 0.f;
 
 #pragma unroll
-  for (int s = 0; s < S - 1; ++s) {
+  for (int s = 0; s < PD; ++s) {
     if (s < G) load_stage(s, s);
     cp_async_commit();
   }
@@ -502,11 +507,11 @@ __global__ void __launch_bounds__(WG * 128, 1) gemm_int4_wgmma_kernel(const GArg
   };
 
   for (int kg = 0; kg < G; ++kg) {
-    cp_async_wait<S - 2>();
+    cp_async_wait<PD - 1>();
     fence_proxy_async();
-    __syncthreads();   // stage kg is in; every wgmma of stage kg - 1 is done (waited below)
+    __syncthreads();   // stage kg is in; every wgmma that read slot (kg + PD) % S is done
     {
-      const int nk = kg + S - 1;
+      const int nk = kg + PD;
       if (nk < G) load_stage(nk % S, nk);
       cp_async_commit();
     }
@@ -554,10 +559,11 @@ __global__ void __launch_bounds__(WG * 128, 1) gemm_int4_wgmma_kernel(const GArg
         wg_wait<1>();
       }
     }
-    wg_wait<0>();
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) fence_regs(acc[mt]);
+    if constexpr (DR) wg_wait<0>();
   }
+  wg_wait<0>();
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) fence_regs(acc[mt]);
   cp_async_wait<0>();
   __syncthreads();   // the ring is free: the epilogue tile takes its place
 
@@ -630,15 +636,16 @@ __global__ void __launch_bounds__(WG * 128, 1) gemm_int4_wgmma_kernel(const GArg
   }
 }
 
-template <int WG_, int MT_, int BT_, int S_>
+template <int WG_, int MT_, int BT_, int S_, bool DR_ = true>
 struct WgShape {
   static constexpr int WG = WG_, MT = MT_, BT = BT_, S = S_;
+  static constexpr bool DR = DR_;
 };
 
 template <class Sh, int OP>
 cudaError_t wg_launch(const char* fn, const GArgs& a, cudaStream_t stream) {
   using C = WgCfg<Sh::WG, Sh::MT, Sh::BT, Sh::S, OP>;
-  constexpr auto kern = gemm_int4_wgmma_kernel<Sh::WG, Sh::MT, Sh::BT, Sh::S, OP>;
+  constexpr auto kern = gemm_int4_wgmma_kernel<Sh::WG, Sh::MT, Sh::BT, Sh::S, OP, Sh::DR>;
   static const cudaError_t attr = set_max_smem(kern, C::SMEM);
   if (attr != cudaSuccess) return smem_refused(attr, fn, C::SMEM);
   const long long blocks = (long long)((a.m + Sh::BT - 1) / Sh::BT) *

@@ -64,18 +64,21 @@ struct WVariant {
   const char* name;
   WLaunch fn[3];   // by op
 };
-#define W4V(NAME, WG, MT, BT, S)                                                               \
-  {NAME,                                                                                     \
-   {wg_launch<WgShape<WG, MT, BT, S>, OP_STORE>, wg_launch<WgShape<WG, MT, BT, S>, OP_RESID>,          \
-    wg_launch<WgShape<WG, MT, BT, S>, OP_SILU>}}
+#define W4V(NAME, WG, MT, BT, S, DR)                                                         \
+  {NAME,                                                                                   \
+   {wg_launch<WgShape<WG, MT, BT, S, DR>, OP_STORE>,                                       \
+    wg_launch<WgShape<WG, MT, BT, S, DR>, OP_RESID>,                                       \
+    wg_launch<WgShape<WG, MT, BT, S, DR>, OP_SILU>}}
 
-// name: wg<WG>_mt<MT>_n<BT>_s<S>: warpgroups, 64-row tiles a warpgroup, tokens a block (the
-// wgmma N), ring stages; rows a block = WG * MT * 64; smem a block in the comment
+// name: wg<WG>_mt<MT>_n<BT>_s<S>[_nd]: warpgroups, 64-row tiles a warpgroup, tokens a block (the
+// wgmma N), ring stages, _nd: no drain at a stage's end; rows a block = WG * MT * 64; smem a block in the comment
 const WVariant kW4[] = {
-    W4V("wg2_mt2_n128_s4", 2, 2, 128, 4),   // 256 rows x 128 tokens, 197 KB
-    W4V("wg2_mt1_n128_s4", 2, 1, 128, 4),   // 128 x 128, 165 KB
-    W4V("wg2_mt1_n256_s3", 2, 1, 256, 3),   // 128 x 256, 223 KB
-    W4V("wg2_mt2_n64_s4", 2, 2, 64, 4),     // 256 x 64, 133 KB
+    W4V("wg2_mt2_n128_s4", 2, 2, 128, 4, true),    // the product's: 256 rows x 128 tokens, 197 KB
+    W4V("wg2_mt2_n128_s4_nd", 2, 2, 128, 4, false),   // the same, no drain (2 stages ahead)
+    W4V("wg2_mt1_n128_s4", 2, 1, 128, 4, true),    // 128 x 128, 165 KB
+    W4V("wg2_mt1_n128_s5_nd", 2, 1, 128, 5, false),   // 128 x 128, no drain, 206 KB
+    W4V("wg2_mt1_n256_s3", 2, 1, 256, 3, true),    // 128 x 256, 223 KB
+    W4V("wg2_mt2_n64_s4", 2, 2, 64, 4, true),      // 256 x 64, 133 KB
 };
 constexpr int kW4Count = sizeof(kW4) / sizeof(kW4[0]);
 
