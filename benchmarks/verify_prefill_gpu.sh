@@ -13,7 +13,8 @@
 #           and p8192)
 #   PART=W: lab/gemm_w4_wgmma.py: the prefill GEMM on wgmma against fp32 math, cuBLAS resident,
 #           dequant + cuBLAS and gemm_int4 (7B, m = 128, 512, 2048: the prefill's chunks are at most
-#           2048); then 7B TTFT pp512 and pp2048 with --prefill-weights int4; runs before G/F
+#           2048); then 7B TTFT pp512 and pp2048 with --prefill-weights int4; runs first (a
+#           failed check turns the product's wgmma kernel off before T)
 #   PART=R: G and F (those in PART) again on the baseline: `patch -R` of AB_PATCH (the change as
 #           a diff against the baseline), rebuild; their JSON names say _A (the change's _B)
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=GFXR AB_PATCH=F \
@@ -40,17 +41,23 @@ f() {  # f LABEL: the TTFT runs
 {
 source benchmarks/device_setup.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
-if [[ "$P" == *T* ]]; then
-  t "tests/gpu"; timeout ${TEST_TIMEOUT:-400} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -40
-fi
 if [[ "$P" == *W* ]]; then
   t "lab gemm_w4_wgmma 7b"
-  timeout 300 python3 benchmarks/lab/gemm_w4_wgmma.py --json "$R/lab_gemm_w4_wgmma_7b_$C.json" \
+  timeout 180 python3 benchmarks/lab/gemm_w4_wgmma.py --json "$R/lab_gemm_w4_wgmma_7b_$C.json" \
     2>&1 | tail -60
+  if [ $? != 0 ]; then   # wrong somewhere: the product without the wgmma kernel for tests/gpu
+    t "lab failed: kWgmmaMinM = 1 << 30 (the wgmma kernel never taken), rebuild"
+    sed -i 's/constexpr int kWgmmaMinM = 128;/constexpr int kWgmmaMinM = 1 << 30;/' csrc/gemm_int4.cu
+    grep -n "constexpr int kWgmmaMinM" csrc/gemm_int4.cu
+    timeout 200 python3 -c "from nanoqwen.engine.build import load_extension; print(load_extension())" 2>&1 | tail -3
+  fi
   for p in 512 2048; do   # the prefill on the INT4 weights, gemm_int4 for every chunk
     t "bench 7b pp$p int4"
     bj "bench_7b_pp${p}_int4_$C" --synthetic 7b -p $p -n 8 -r 5 --mode graph --prefill-weights int4
   done
+fi
+if [[ "$P" == *T* ]]; then
+  t "tests/gpu"; timeout ${TEST_TIMEOUT:-400} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -40
 fi
 g() {  # g LABEL: the per-projection GEMM bench
   t "bench_gemm_int4 7b ($1)"
