@@ -12,7 +12,7 @@
 #   PART=X: profile_prefill.py: host enqueue against GPU time, ops and kernels (0.5B p512, 7B p512
 #           and p8192)
 #   PART=W: lab/gemm_w4_wgmma.py: the prefill GEMM on wgmma against fp32 math, cuBLAS resident,
-#           dequant + cuBLAS and gemm_int4 (7B, m = 128, 512, 2048: the prefill's chunks are at most
+#           dequant + cuBLAS and gemm_int4 (7B, m = 64, 127, 512, 2048: the prefill's chunks are at most
 #           2048); then 7B TTFT pp512 and pp2048 with --prefill-weights int4; runs first (a
 #           failed check turns the product's wgmma kernel off before T)
 #   PART=R: G and F (those in PART) again on the baseline: `patch -R` of AB_PATCH (the change as
