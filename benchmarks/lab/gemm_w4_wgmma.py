@@ -14,7 +14,8 @@ variant) within the bound; the other variants' failures are printed.
 Then per projection and m, us per launch (bench_verify.us_per_launch: 20 back-to-back launches,
 median of 5) for every variant, resident (F.linear on the fp16 copy; gate/up + silu_mul, as the
 prefill runs it), dequant (dequant_int4 of the matrices, then the same) and gemm_int4 (the
-product's op: at m = 64 and 127 the mma.sync kernel, which the variants meet there); per layer the four projections summed, and the TFLOPS of the best variant.
+product's op: at m = 64 and 127 the mma.sync kernel, which the variants meet there); per layer
+the four projections summed, and the TFLOPS of the best variant.
 
 Prediction (written before the first run, session 22): correct at every shape (the index math
 follows the mma.sync kernel's, whose A-fragment layout wgmma's register A shares per warp);
