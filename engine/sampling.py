@@ -24,9 +24,12 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import NanoqwenError
+
+if TYPE_CHECKING:   # the annotations' torch (imported lazily where the code runs)
+    import torch
 
 # torch and numpy are imported inside the sampler functions, not here: SamplerParams is what
 # the app's settings need, and the app must start without loading torch (the engine service
