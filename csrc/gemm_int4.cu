@@ -4,6 +4,8 @@
 // Y [m, n] = X [m, k] . W[n, k]^T, W = (u - 8) * s (group 128, engine/quant.py; gemv.h's layout),
 // with the prefill's three epilogues: store (+bias, rounded to half), residual (fp32 hidden += Y),
 // SiLU (out = silu(X Wg^T) * (X Wu^T) from fp32 sums, rounded to half).
+// Two kernels: below kWgmmaMinM tokens the mma.sync one described here (with split-K), from
+// there Hopper's wgmma (gemm_int4_wgmma_kernel, its own description further down).
 //
 // mma.sync m16n8k16, A = dequantized weights (16 rows of W), B = X (8 tokens). Lane (g, t) (g =
 // lane/4, t = lane%4) holds the 16-byte chunk t (k = 32t .. 32t+31 of a group) of rows g and g+8,

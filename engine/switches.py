@@ -62,10 +62,12 @@ ATTN_MIN_PPS_DEFAULT = 2
 ATTN_MIN_PPS_MAX = 8192
 INT4_MAX_M = "NANOQWEN_INT4_MAX_M"
 # a next turn's few dozen new tokens: gemm_int4 reads the INT4 weights once where the dequant
-# path writes and rereads a layer's fp16 copy. 7B on an H100, us a layer, gemm_int4's block
-# shapes against dequant + cuBLAS (lab/gemm_int4_shapes.py, benchmarks/RESULTS.md, session 18):
-# 278 / 591 at 40 tokens, 477 / 619 at 128, 1229 / 891 at 512
-INT4_MAX_M_DEFAULT = 128
+# path writes and rereads a layer's fp16 copy. 7B on an H100, us a layer, gemm_int4 against
+# dequant + cuBLAS (benchmarks/RESULTS.md): session 18, 278 / 591 at 40 tokens, 477 / 619 at
+# 128; session 22 (dequant_int4 at the copy rate since session 21; lab/gemm_w4_wgmma.py), 314 /
+# 414 at 64 and 500 / 421 at 127 -- and from 128 tokens gemm_int4 is the wgmma kernel, whose
+# product shape takes 683 there: the crossing is now between 64 and 127
+INT4_MAX_M_DEFAULT = 64
 INT4_MAX_M_MAX = 2048   # CudaBackend's PREFILL_CHUNK: no chunk is longer
 PREFILL_ATTN_MAX = "NANOQWEN_PREFILL_ATTN_MAX"
 # the paged kernel (csrc/attention_prefill.cu) up to 2048 positions, SDPA beyond: H100, TTFT ms
