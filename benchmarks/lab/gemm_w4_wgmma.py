@@ -42,10 +42,8 @@ sys.path.insert(0, str(LAB.parent))
 sys.path.insert(0, str(LAB))
 from bench_gemm_int4 import fp16_paths, projections  # noqa: E402  (benchmarks/)
 from bench_verify import us_per_launch as timed  # noqa: E402
+from gemm_int4_shapes import OPS, TOL  # noqa: E402  (the mma.sync shapes' lab: same ops, bound)
 from lab import compile_alone  # noqa: E402
-
-TOL = 2e-3
-OPS = {"store": 0, "resid": 1, "silu": 2}
 
 
 def build() -> ctypes.CDLL:
