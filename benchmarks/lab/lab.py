@@ -3,9 +3,9 @@
     from lab import load      # with benchmarks/lab on sys.path (the lab scripts put it there)
     L = load()                # ctypes.CDLL with argtypes set; builds on first use
 
-It compiles every benchmarks/lab/*.cu with plain nvcc (csrc/ on the include path for
-common.cuh and kernels.h: the lab uses the product's device helpers and error convention) and
-links them into one shared library, in $NANOQWEN_LAB_BUILD or /tmp/nanoqwen_lab_build, rebuilt
+It compiles every benchmarks/lab/*.cu but the ALONE ones with plain nvcc (csrc/ on the include
+path for common.cuh and kernels.h: the lab uses the product's device helpers and error
+convention) and links them into one shared library, in $NANOQWEN_LAB_BUILD or /tmp/nanoqwen_lab_build, rebuilt
 when a source or a csrc header is newer than it (or NANOQWEN_LAB_REBUILD=1). Nothing in the
 engine links it; it is loaded with ctypes next to torch, and its launchers take the current
 torch stream (torch.cuda.current_stream().cuda_stream), so they can be captured in a CUDA graph
@@ -28,7 +28,10 @@ from pathlib import Path
 LAB = Path(__file__).resolve().parent
 REPO = LAB.parent.parent
 CSRC = REPO / "csrc"
-SOURCES = sorted(LAB.glob("*.cu"))
+# the sources that include a csrc/ .cu whole (its external launchers with it) build alone
+# (compile_alone, by their scripts): two of them in one library define those launchers twice
+ALONE = {"gemm_int4_shapes.cu", "gemm_w4_wgmma.cu"}
+SOURCES = sorted(p for p in LAB.glob("*.cu") if p.name not in ALONE)
 HEADERS = sorted(LAB.glob("*.h")) + sorted(LAB.glob("*.cuh")) + [CSRC / "common.cuh",
                                                                  CSRC / "kernels.h"]
 FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC",
