@@ -52,6 +52,14 @@ namespace {
 constexpr int kGroup = 128;
 enum { OP_STORE = 0, OP_RESID = 1, OP_SILU = 2 };
 
+// Scale e of a row-major half [n, G] array (e = 0 where !ok) into a stage slot's 4 bytes: the
+// cp.async of the aligned pair holding it, reading only as far as it must (the pair's first
+// half when e is even: the last scale may end the array), zeros where !ok. The reader takes
+// half e & 1, from the parity of its row's first index and the group's. Both kernels' stages.
+__device__ __forceinline__ void scale_pair_fill(void* dst, const half* sc, size_t e, bool ok) {
+  cp_async4_fill(dst, sc + (e & ~(size_t)1), !ok ? 0 : (e & 1) ? 4 : 2);
+}
+
 struct GArgs {
   void* out;
   const half* x;
@@ -138,9 +146,8 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
       const int grow = stage_row(r, &up);
       const half* sbase = up ? a.sc2 : a.sc;
       const bool ok = grow < a.n && kg0 + gi < ke;
-      const size_t e = ok ? (size_t)grow * G + kg0 + gi : 0;   // the scale's index; pair e & ~1
-      cp_async4_fill(ss + (gi * C::BN + r) * 4, sbase + (e & ~(size_t)1),
-                     !ok ? 0 : (e & 1) ? 4 : 2);
+      const size_t e = ok ? (size_t)grow * G + kg0 + gi : 0;   // the scale's index
+      scale_pair_fill(ss + (gi * C::BN + r) * 4, sbase, e, ok);
     }
   };
 
@@ -469,9 +476,8 @@ __global__ void __launch_bounds__(WG * 128, 1) gemm_int4_wgmma_kernel(const GArg
       bool up;
       const int grow = src_row(r, &up);
       const bool ok = grow < a.n;
-      const size_t e = ok ? (size_t)grow * G + kg : 0;   // the scale's index; its pair e & ~1
-      cp_async4_fill(ss + r * 4, (up ? a.sc2 : a.sc) + (e & ~(size_t)1),
-                     !ok ? 0 : (e & 1) ? 4 : 2);
+      const size_t e = ok ? (size_t)grow * G + kg : 0;   // the scale's index
+      scale_pair_fill(ss + r * 4, up ? a.sc2 : a.sc, e, ok);
     }
   };
 
