@@ -106,7 +106,8 @@ def test_gemm_int4_silu_mul_matches_fp64(n, k, gen):
 @pytest.mark.parametrize("m", [40, 300])
 def test_gemm_int4_is_deterministic(m, gen):
     """m = 40 splits K across blocks (7B down_proj: 56 output tiles), whose partials the tile's
-    last block sums in split order whichever block comes last; m = 300 (the wgmma kernel) does not split."""
+    last block sums in split order whichever block comes last; m = 300 (the wgmma kernel) does
+    not split."""
     qw, sc, _ = rand_int4(3584, 18944, gen)
     x = torch.randn(m, 18944, generator=gen, device="cuda").half()
     outs = []
