@@ -8,6 +8,7 @@
 #           (BENCH_PRESETS, default "7b 0.5b 1.5b 3b 14b 32b"), chain then segments; 7B also at
 #           -d 8192; JSON names say _chain / _seg
 #   PART=T: install, build, tests/gpu (all of it)
+#   FLIP=1: see below (the default turns to the segments before T when they passed and won)
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> PART=SBT bash benchmarks/verify_decode_gpu.sh
 #   (carry .whl). The JSON files come back as $OUT/results_<PART>_<commit>.tgz, the log beside it.
 source benchmarks/device_prelude.sh
@@ -58,6 +59,23 @@ if [[ "$P" == *B* ]]; then
     t "bench 7b d8192 tg128 $n"
     NANOQWEN_DECODE_SEGMENTS=$v bj "bench_7b_d8192_tg128_${n}_$C" --synthetic 7b -d 8192 -p 512 -n 128 -r 3 --mode graph
   done
+fi
+# FLIP=1: when the segment kernels passed S and beat the chain's 7B graph decode, the default
+# turns to them (engine/switches.py) before T, so tests/gpu runs what would be submitted
+if [[ "${FLIP:-0}" == 1 && $SEG_OK = 1 && "$P" == *B* ]]; then
+  if python3 - "$R/bench_7b_p512_tg128_chain_$C.json" "$R/bench_7b_p512_tg128_seg_$C.json" <<'PY'
+import json, sys
+def tg(f):
+    return [r["ms_per_token"] for r in json.load(open(f))["rows"]
+            if r.get("mode") == "graph" and r["test"].startswith("tg")][0]
+a, b = tg(sys.argv[1]), tg(sys.argv[2])
+print(f"7B graph tg128: chain {a:.4f}, segments {b:.4f} ms/token")
+sys.exit(0 if b < a else 1)
+PY
+  then
+    sed -i 's/^DECODE_SEGMENTS_DEFAULT = False$/DECODE_SEGMENTS_DEFAULT = True/' engine/switches.py
+    t "default flipped: $(grep -n '^DECODE_SEGMENTS_DEFAULT' engine/switches.py)"
+  fi
 fi
 if [[ "$P" == *T* ]]; then
   t "tests/gpu"; timeout ${TEST_TIMEOUT:-400} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -40
