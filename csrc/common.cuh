@@ -251,10 +251,12 @@ __device__ __forceinline__ void red_release_gpu(int* p, int v) {
 
 // RMSNorm's arithmetic, shared by rmsnorm_kernel and decode_segment.cu's norm (the two must give
 // the same bits): a thread's running sum of squares over float4s in explicit roundings (no
-// contraction choice left to the compiler), and the scale from the row's total.
+// contraction choice left to the compiler: these are the operations nvcc 13.0 chose for the
+// expression rmsnorm_kernel had before, so its object is unchanged), and the scale from the
+// row's total.
 __device__ __forceinline__ float sq_acc(float ss, float4 v) {
-  return __fadd_rn(ss, __fmaf_rn(v.w, v.w, __fmaf_rn(v.z, v.z, __fmaf_rn(v.y, v.y,
-                                                                         __fmul_rn(v.x, v.x)))));
+  return __fadd_rn(__fmaf_rn(v.w, v.w, __fmaf_rn(v.z, v.z, __fmaf_rn(v.x, v.x,
+                                                                     __fmul_rn(v.y, v.y)))), ss);
 }
 __device__ __forceinline__ float rms_scale(float ss, int H, float eps) {
   return rsqrtf(ss / (float)H + eps);
