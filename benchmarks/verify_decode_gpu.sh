@@ -57,7 +57,8 @@ if [[ "$P" == *B* ]]; then
       NANOQWEN_DECODE_SEGMENTS=$v bj "bench_${m}_p512_tg128_${n}_$C" --synthetic $m -p 512 -n 128 -r 5 --mode graph,eager
     done
   done
-  for v in 0 1; do
+  for v in 0 1; do   # B_DEPTH=0: not this one
+    [ "${B_DEPTH:-1}" = 0 ] && break
     [ $v = 1 ] && [ $SMOKE_OK = 0 ] && continue
     n=$([ $v = 1 ] && echo seg || echo chain)
     t "bench 7b d8192 tg128 $n"
