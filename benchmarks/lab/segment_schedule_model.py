@@ -1,4 +1,5 @@
-"""decode_segment.cu's schedule, replayed on the CPU for every Qwen2.5-Coder shape: the index math
+"""decode_segment.cu's schedule (benchmarks/attempts/decode-segments.patch: written, compiled, not yet
+run on a GPU), replayed on the CPU for every Qwen2.5-Coder shape: the index math
 of the producer warp and the consumer warps (as written in the kernel) must cover every (16-row
 tile, group) of every phase exactly once, in the K ranges of the chain kernel's warps (gemv_int4.cu's
 table: q/k/v and o split K in 4, gate/up in 2, down in 8, o by 8 past k = 8192), the producer and
@@ -8,7 +9,7 @@ must reach exactly the number of blocks that own tiles of the phase before (one 
     python benchmarks/lab/segment_schedule_model.py [--grid 132]
 
 No GPU; exit status 0 when every check passes. A model of the code, not the code: it is kept in
-step with csrc/decode_segment.cu by hand (Share, warp_range, the launcher's base)."""
+step with the patch's csrc/decode_segment.cu by hand (Share, warp_range, the launcher's base)."""
 
 from __future__ import annotations
 
