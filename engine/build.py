@@ -38,8 +38,9 @@ SOURCES = (
     "gemv_int4.cu",
     "gemm_int4.cu",
     "gemv_fp16.cu",
+    "decode_segment.cu",
 )
-HEADERS = ("kernels.h", "common.cuh", "gemv.h", "engine.h")
+HEADERS = ("kernels.h", "common.cuh", "gemv.h", "engine.h", "int4_dot.cuh")
 
 CUDA_FLAGS = [
     "-O3",
