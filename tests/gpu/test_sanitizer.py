@@ -142,7 +142,8 @@ def test_decode_segment_sanitizer_clean(tool):
 def _run_decode_segment() -> int:
     """Standalone body for the sanitizer: eager decode steps with the segment kernels against the
     chain's logits on the same weights; exits non-zero if they differ."""
-    sys.path.insert(0, str(Path(__file__).parent))
+    here = Path(__file__).resolve().parent   # tests/gpu (test_decode_segment), tests (helpers)
+    sys.path[:0] = [str(here), str(here.parent)]
     import helpers
     from test_decode_segment import build, shapes, step_logits
 
