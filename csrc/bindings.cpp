@@ -667,13 +667,12 @@ class Engine : public torch::CustomClassHolder {
   //   prefill weights (0 dequant, 1 resident, 2 int4: no dense matrices, gemm_int4 on the INT4
   //   weights), prefill_chunk, attention kernel (kAttnCpAsync / kAttnTma), prefill_attn_max
   //   (prompt chunks whose context ends at most this many positions in take attention_prefill,
-  //   longer ones SDPA over gathered K/V; 0: always SDPA), decode kernel (kDecodeChain /
-  //   kDecodeSegments: the step's GEMVs as a chain of launches or as decode_segment kernels)
+  //   longer ones SDPA over gathered K/V; 0: always SDPA)
   Engine(std::vector<Tensor> globals, std::vector<Tensor> layers, std::vector<Tensor> dense,
          std::vector<int64_t> ints, double eps, int64_t stream_ptr)
       : g_(std::move(globals)), l_(std::move(layers)), d_(std::move(dense)) {
     const char* op = "Engine";
-    NQ_CHECK(ints.size() == 14, op, ": ints has ", (int64_t)ints.size(), " values, expected 14");
+    NQ_CHECK(ints.size() == 13, op, ": ints has ", (int64_t)ints.size(), " values, expected 13");
     NQ_CHECK(g_.size() == 24, op, ": globals has ", (int64_t)g_.size(), " tensors, expected 24");
     NQ_CHECK(!l_.empty() && l_.size() % 15 == 0, op, ": layers has ", (int64_t)l_.size(),
              " tensors, expected 15 a layer");
@@ -708,10 +707,6 @@ class Engine : public torch::CustomClassHolder {
     a.attn_kernel = (int)ints[11];
     NQ_CHECK(ints[12] >= 0, op, ": prefill_attn_max=", ints[12], " must be >= 0");
     prefill_attn_max_ = ints[12];
-    NQ_CHECK(ints[13] == nanoqwen::kDecodeChain || ints[13] == nanoqwen::kDecodeSegments, op,
-             ": decode kernel=", ints[13], " must be ", nanoqwen::kDecodeChain, " (the chain) or ",
-             nanoqwen::kDecodeSegments, " (the segment kernels)");
-    a.decode_kernel = (int)ints[13];
     struct Want { const char* name; at::ScalarType dt; std::vector<int64_t> dims; };
     const std::vector<Want> want = {
         {"embed", at::kHalf, {V, H}}, {"final_norm", at::kHalf, {H}}, {"lm_head", at::kHalf, {V, H}},
@@ -788,21 +783,6 @@ class Engine : public torch::CustomClassHolder {
     }
     stream_ = reinterpret_cast<cudaStream_t>(stream_ptr);
     const c10::cuda::CUDAGuard dg(device_);
-    // decode_segment: one block an SM, and counters it leaves zero
-    check_cuda(cudaDeviceGetAttribute(&a.seg_grid, cudaDevAttrMultiProcessorCount,
-                                      (int)device_.index()),
-               "Engine: cudaDeviceGetAttribute(MultiProcessorCount)");
-    seg_counters_ = at::zeros({nanoqwen::kSegCounters},
-                              at::TensorOptions().dtype(at::kInt).device(device_));
-    a.seg_counters = seg_counters_.data_ptr<int32_t>();
-    // zeroed on torch's current stream: done before the first segment launch on stream_
-    check_cuda(cudaDeviceSynchronize(), "Engine: cudaDeviceSynchronize (the segment counters)");
-    if (a.decode_kernel == nanoqwen::kDecodeSegments) {
-      const size_t need = nanoqwen::decode_segment_smem(a, 4);
-      NQ_CHECK(need <= 227 * 1024, op, ": the segment kernels need ", (int64_t)need,
-               " bytes of shared memory a block for I=", I, " (at most ", 227 * 1024,
-               "); use the chain (NANOQWEN_DECODE_SEGMENTS=0)");
-    }
     loop_ = std::make_unique<nanoqwen::DecodeLoop>(&a_, stream_, (int)device_.index());
     NQ_CHECK(loop_->ring() != nullptr, op, ": ", nanoqwen::take_last_error());
     if (!resident_ && !int4_) {   // the dequant prefill's side stream and its events
@@ -1301,7 +1281,6 @@ class Engine : public torch::CustomClassHolder {
   int64_t int4_max_m_ = 0;   // dequant weights: chunks this short through gemm_int4 instead
   int64_t prefill_attn_max_ = 0;   // chunks ending at most here: attention_prefill, else SDPA
   Tensor split_counters_;    // gemm_int4's split-K tile counters (kGemmCounters, kept zeroed)
-  Tensor seg_counters_;      // decode_segment's phase counters (kSegCounters, kept zeroed)
   int64_t chunk_ = 2048;
   c10::Device device_{c10::kCUDA, 0};
   cudaStream_t stream_ = nullptr;

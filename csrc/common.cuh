@@ -204,64 +204,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "memory");
 }
 
-// ---- mbarriers (shared-memory, CTA scope) and the cross-block counters ----------------------
-// The warp-specialized kernels' rings (attention.cu's TMA page loop, decode_segment.cu's weight
-// ring): a barrier is initialised once with its arrival count; try_wait.parity P returns once
-// the phase of parity P has completed (on a fresh barrier parity 1 passes at once).
-__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-// The arrival of this thread's prior cp.async copies (all of them, committed or not) on `bar`,
-// without raising the pending count: the barrier's count must include one per executing thread.
-__device__ __forceinline__ void mbar_cp_async_arrive(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar))
-               : "memory");
-}
-// gpu-scope acquire load and release add of an int in global memory: a block publishes its
-// writes (each writer __threadfence(), a barrier, then one release add) and another block
-// waits for them (one acquire load loop, then a barrier) -- decode_segment.cu's phase counters.
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void red_release_gpu(int* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-// RMSNorm's arithmetic, shared by rmsnorm_kernel and decode_segment.cu's norm (the two must give
-// the same bits): a thread's running sum of squares over float4s in explicit roundings (no
-// contraction choice left to the compiler: these are the operations nvcc 13.0 chose for the
-// expression rmsnorm_kernel had before, so its object is unchanged), and the scale from the
-// row's total.
-__device__ __forceinline__ float sq_acc(float ss, float4 v) {
-  return __fadd_rn(__fmaf_rn(v.w, v.w, __fmaf_rn(v.z, v.z, __fmaf_rn(v.x, v.x,
-                                                                     __fmul_rn(v.y, v.y)))), ss);
-}
-__device__ __forceinline__ float rms_scale(float ss, int H, float eps) {
-  return rsqrtf(ss / (float)H + eps);
-}
-
 // host: the launchers' 16-byte alignment check of the pointers their kernels load as uint4
 inline bool misaligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) != 0; }
 

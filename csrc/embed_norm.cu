@@ -64,11 +64,11 @@ rmsnorm_kernel(half* __restrict__ out, const float* __restrict__ hidden,
     const int i = threadIdx.x + j * kNormThreads;
     if (i < n4) {
       v[j] = x4[i];
-      ss = sq_acc(ss, v[j]);
+      ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
     }
   }
   ss = block_sum(ss, scratch);
-  const float r = rms_scale(ss, H, eps);
+  const float r = rsqrtf(ss / (float)H + eps);
   const half2* w2 = reinterpret_cast<const half2*>(weight);
   half2* o2 = reinterpret_cast<half2*>(out + (size_t)t * H);
 #pragma unroll

@@ -99,32 +99,9 @@ cudaError_t launch_sample_advance(const StepArgs& a, cudaStream_t s) {
   return cudaSuccess;
 }
 
-// Layer li's attention_decode of the decode step (both GEMV paths launch it the same way), its
-// failure wrapped with the layer and the numbers as every launch of the step is.
-static cudaError_t launch_attention(const StepArgs& a, int li, float scale, cudaStream_t s) {
-  const LayerPtrs& L = a.layers[li];
-  NQ_TRY(attention_decode(a.attn, a.ws_acc, a.ws_ml, a.attn_counters, a.qkv, L.k_cache,
-                          L.v_cache, a.cos, a.sin, a.page_table, a.table_len, a.pos, a.n_heads,
-                          a.n_kv, a.head_dim, a.num_splits, a.min_pps, a.attn_kernel, scale, s),
-         "decode step, layer %d, attention_decode (heads %d/%d, d=%d, splits %d, min_pps %d, "
-         "kernel %d)",
-         li, a.n_heads, a.n_kv, a.head_dim, a.num_splits, a.min_pps, a.attn_kernel);
-  return cudaSuccess;
-}
-
 cudaError_t launch_step(const StepArgs& a, cudaStream_t s) {
   const int qkv_n = (a.n_heads + 2 * a.n_kv) * a.head_dim, q = a.n_heads * a.head_dim;
   const float scale = 1.0f / sqrtf((float)a.head_dim);
-  if (a.decode_kernel == kDecodeSegments) {
-    const int nl = (int)a.layers.size();
-    for (int li = 0; li <= nl; ++li) {
-      NQ_TRY(decode_segment(a, li, s), "decode step, segment %d of %d", li, nl);
-      if (li == nl) break;
-      if (const cudaError_t ae = launch_attention(a, li, scale, s)) return ae;
-    }
-    const cudaError_t e = launch_logits(a, s);
-    return e != cudaSuccess ? e : launch_sample_advance(a, s);
-  }
   NQ_TRY(embed_gather(a.hidden, a.embed, a.token_in, 1, a.H, a.vocab, s),
          "decode step, embed_gather (H=%d, V=%d)", a.H, a.vocab);
   for (int li = 0; li < (int)a.layers.size(); ++li) {
@@ -133,7 +110,12 @@ cudaError_t launch_step(const StepArgs& a, cudaStream_t s) {
            li);
     NQ_TRY(gemv_int4(a.qkv, a.xn, L.qkv_qw, L.qkv_sc, L.qkv_b, qkv_n, a.H, 1, s),
            "decode step, layer %d, qkv gemv_int4", li);
-    if (const cudaError_t ae = launch_attention(a, li, scale, s)) return ae;
+    NQ_TRY(attention_decode(a.attn, a.ws_acc, a.ws_ml, a.attn_counters, a.qkv, L.k_cache,
+                            L.v_cache, a.cos, a.sin, a.page_table, a.table_len, a.pos, a.n_heads,
+                            a.n_kv, a.head_dim, a.num_splits, a.min_pps, a.attn_kernel, scale, s),
+           "decode step, layer %d, attention_decode (heads %d/%d, d=%d, splits %d, min_pps %d, "
+           "kernel %d)",
+           li, a.n_heads, a.n_kv, a.head_dim, a.num_splits, a.min_pps, a.attn_kernel);
     NQ_TRY(gemv_int4_residual(a.hidden, a.attn, L.o_qw, L.o_sc, a.H, q, 1, s),
            "decode step, layer %d, o gemv_int4_residual", li);
     NQ_TRY(rmsnorm(a.xn, a.hidden, L.ln2, 1, a.H, a.eps, s), "decode step, layer %d, rmsnorm 2",

@@ -61,8 +61,6 @@ struct StepArgs {
   float eps = 0.f;
   int min_pps = 0;            // attention_decode's minimum pages per split
   int attn_kernel = 0;        // attention_decode's page loop (kAttnCpAsync / kAttnTma)
-  int decode_kernel = 0;      // the step's GEMVs: kDecodeChain or kDecodeSegments
-  int seg_grid = 0;           // decode_segment's blocks (the SM count)
   int num_splits = 1;
   int table_len = 0;          // pages in page_table (the RoPE tables hold table_len*16 rows)
   int ctx_capacity = 0;       // ids in ctx_tokens
@@ -94,7 +92,6 @@ struct StepArgs {
   int32_t* ring = nullptr;           // host, mapped: [ring_size, 4]
   int ring_size = 0;
   int32_t* halt = nullptr;           // host, mapped: [1]
-  int32_t* seg_counters = nullptr;   // device [kSegCounters], zero (decode_segment)
 };
 
 // The speculative verify step's buffers (T <= kMaxVerify rows each; device memory): the
@@ -115,12 +112,6 @@ struct VerifyArgs {
   int32_t* attn_counters = nullptr;  // [T, n_kv], zero
 };
 
-// The decode step's GEMVs (StepArgs::decode_kernel): the chain of launches (rmsnorm, gemv_int4*
-// per op) or the persistent segment kernels (decode_segment.cu), which give the same bits.
-constexpr int kDecodeChain = 0;
-constexpr int kDecodeSegments = 1;
-constexpr int kSegCounters = 8;
-
 constexpr int kMaxStops = 8;
 constexpr int kRingSize = 256;      // slots in the pinned ring (the run-ahead is below it)
 
@@ -135,14 +126,6 @@ cudaError_t launch_sample_advance(const StepArgs& a, cudaStream_t stream);
 // attention_decode -> o GEMV (+residual) -> rmsnorm -> gate/up GEMV (SiLU*mul) -> down GEMV
 // (+residual), then launch_logits and launch_sample_advance. Safe to capture.
 cudaError_t launch_step(const StepArgs& a, cudaStream_t stream);
-
-// Segment seg (0..L) of the step with decode_kernel == kDecodeSegments: its GEMVs (segment 0: the
-// embedding and layer 0's RMSNorm + q/k/v; segment l: layer l-1's o, RMSNorm, gate/up, down and
-// layer l's RMSNorm + q/k/v; segment L: the last layer's o .. down), one launch of
-// decode_segment_kernel on a.seg_grid blocks (decode_segment.cu says how). Safe to capture.
-cudaError_t decode_segment(const StepArgs& a, int seg, cudaStream_t stream);
-// its dynamic shared memory with `stages` ring stages (bytes)
-size_t decode_segment_smem(const StepArgs& a, int stages);
 
 // The verify step of speculative decoding: T tokens (v.ids) at positions *v.pos.. forwarded as
 // T decode steps would forward them, in one pass over the weights -- their K/V into the cache

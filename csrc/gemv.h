@@ -63,11 +63,6 @@ cudaError_t gemv_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate
                                const half* sc_gate, const uint32_t* qw_up, const half* sc_up,
                                int n, int k, int cols, cudaStream_t stream);
 
-// The K split (warps a 16-row tile) of the instance the GEMV of op (0 gemv_int4, 1 _residual,
-// 2 _silu_mul) runs at this k: 2, 4 or 8 (0 for another op). decode_segment.cu splits K the same
-// way, which is what makes its sums the chain's bit for bit.
-int gemv_int4_k_split(int op, int k);
-
 // logits[c][n] = sum_k W[n,k]*x[c][k]   W fp16 row-major [n, k] (the lm_head), fp32 products and
 // sums.
 cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k, int cols,

@@ -37,7 +37,6 @@
 
 #include "common.cuh"
 #include "gemv.h"
-#include "int4_dot.cuh"
 
 namespace nanoqwen {
 namespace {
@@ -60,6 +59,34 @@ struct Args {
   int k;
   int nc;               // columns: x [nc, k], out [nc, n] (1: the decode GEMV)
 };
+
+// One group of one 16-row tile: va / vb = lane t's 16-byte chunk of rows g / g+8, xv its x
+// (staged order). Returns the dot products of rows g and g+8 over the group, before the group
+// scale: per word, exact q (lo - 1032, hi/16 - 72) and two mmas.
+__device__ __forceinline__ float2 group_dot(const uint4& va, const uint4& vb,
+                                            const uint4 (&xv)[4]) {
+  const uint32_t kLo = 0x64006400u;
+  const half2 k1032 = as_h2(0x64086408u), k16 = as_h2(0x2C002C00u), k72 = as_h2(0xD480D480u);
+  auto lo = [&](uint32_t v) { return h2_bits(__hsub2(as_h2(v), k1032)); };
+  auto hi = [&](uint32_t v) { return h2_bits(__hfma2(as_h2(v), k16, k72)); };
+  float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+  const uint32_t wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t a8 = wa[j] >> 8, b8 = wb[j] >> 8;
+    const uint32_t alo0 = lop3_and_or(wa[j], 0x000F000Fu, kLo);
+    const uint32_t ahi0 = lop3_and_or(wa[j], 0x00F000F0u, kLo);
+    const uint32_t alo1 = lop3_and_or(a8, 0x000F000Fu, kLo);
+    const uint32_t ahi1 = lop3_and_or(a8, 0x00F000F0u, kLo);
+    const uint32_t blo0 = lop3_and_or(wb[j], 0x000F000Fu, kLo);
+    const uint32_t bhi0 = lop3_and_or(wb[j], 0x00F000F0u, kLo);
+    const uint32_t blo1 = lop3_and_or(b8, 0x000F000Fu, kLo);
+    const uint32_t bhi1 = lop3_and_or(b8, 0x00F000F0u, kLo);
+    mma16816(d0, lo(alo0), lo(blo0), hi(ahi0), hi(bhi0), xv[j].x, xv[j].y);
+    mma16816(d1, lo(alo1), lo(blo1), hi(ahi1), hi(bhi1), xv[j].z, xv[j].w);
+  }
+  return make_float2(d0[0] + d1[0], d0[2] + d1[2]);
+}
 
 // group_dot for NT tiles of 8 columns (the verify step's k tokens): lane g supplies column
 // 8*nt + g of B, so D[row][c] is row's dot product with column c's x. Lane (g, t) gets rows g, g+8
@@ -110,11 +137,14 @@ __device__ __forceinline__ void emit_row(const Args& a, int row, int col,
                                          const float (&v)[OP == OP_SILU ? 2 : 1]) {
   const size_t i = (size_t)col * a.n + row;
   if constexpr (OP == OP_STORE) {
-    static_cast<half*>(a.out)[i] = int4_store_value(v[0], a.bias, row);
+    float y = v[0];
+    if (a.bias) y += __half2float(a.bias[row]);
+    static_cast<half*>(a.out)[i] = __float2half_rn(y);
   } else if constexpr (OP == OP_RESID) {
     static_cast<float*>(a.out)[i] += v[0];
   } else {
-    static_cast<half*>(a.out)[i] = int4_silu_value(v[0], v[1]);
+    const float g = v[0], u = v[1];
+    static_cast<half*>(a.out)[i] = __float2half_rn(g / (1.f + __expf(-g)) * u);
   }
 }
 
@@ -507,10 +537,6 @@ __global__ void __launch_bounds__(kDqThreads) dequant_int4_kernel(half* w, const
 }
 
 }  // namespace
-
-int gemv_int4_k_split(int op, int k) {
-  return (op >= OP_STORE && op <= OP_SILU) ? pick(op, k).ks : 0;
-}
 
 cudaError_t gemv_int4(half* y, const half* x, const uint32_t* qweight, const half* scales,
                       const half* bias, int n, int k, int cols, cudaStream_t stream) {

@@ -38,9 +38,8 @@ SOURCES = (
     "gemv_int4.cu",
     "gemm_int4.cu",
     "gemv_fp16.cu",
-    "decode_segment.cu",
 )
-HEADERS = ("kernels.h", "common.cuh", "gemv.h", "engine.h", "int4_dot.cuh")
+HEADERS = ("kernels.h", "common.cuh", "gemv.h", "engine.h")
 
 CUDA_FLAGS = [
     "-O3",

@@ -11,11 +11,6 @@ A/B measurements (README, "measurement switches"; the numbers are in benchmarks/
                                copy), prompt chunks of at most n tokens go
                                through gemm_int4 on the INT4 weights instead;
                                n = 0 (never) .. 2048, default INT4_MAX_M_DEFAULT
-    NANOQWEN_DECODE_SEGMENTS=0|1  the decode step's GEMVs: 1 the persistent      backends/cuda.py
-                               segment kernels (csrc/decode_segment.cu, one
-                               launch a layer boundary), 0 the chain of
-                               rmsnorm / gemv_int4 launches; the same bits
-                               either way; default DECODE_SEGMENTS_DEFAULT
     NANOQWEN_PREFILL_ATTN_MAX=n  prompt chunks whose context ends at most n      backends/cuda.py
                                positions in take the paged prefill attention
                                kernel, longer ones SDPA over gathered K/V;
@@ -53,10 +48,6 @@ ATTN_TMA = "NANOQWEN_ATTN_TMA"
 # 2.811 against 2.705 / 3.104 ms/token, and compute-sanitizer clean (benchmarks/RESULTS.md,
 # session 20); 0 measures the cp.async kernel
 ATTN_TMA_DEFAULT = True
-DECODE_SEGMENTS = "NANOQWEN_DECODE_SEGMENTS"
-# off until measured on the device against the chain (issue 12: "keep the winner as the default
-# and the chain as the A/B until the winner is proven")
-DECODE_SEGMENTS_DEFAULT = False
 # switches that existed and were removed: variable -> why (read_switches refuses them when set)
 REMOVED = {
     "NANOQWEN_FUSE_NORM": "the fused-norm GEMVs it selected decoded at 1.93 ms/token against 1.89 "
@@ -100,7 +91,6 @@ class Switches:
     attn_tma: bool = ATTN_TMA_DEFAULT         # NANOQWEN_ATTN_TMA
     int4_max_m: int = INT4_MAX_M_DEFAULT      # NANOQWEN_INT4_MAX_M
     prefill_attn_max: int = PREFILL_ATTN_MAX_DEFAULT  # NANOQWEN_PREFILL_ATTN_MAX
-    decode_segments: bool = DECODE_SEGMENTS_DEFAULT  # NANOQWEN_DECODE_SEGMENTS
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -139,5 +129,4 @@ def read_switches(env: Mapping[str, str] | None = None) -> Switches:
                     int4_max_m=_count(env, INT4_MAX_M, INT4_MAX_M_DEFAULT, 0, INT4_MAX_M_MAX,
                                       "prompt tokens"),
                     prefill_attn_max=_count(env, PREFILL_ATTN_MAX, PREFILL_ATTN_MAX_DEFAULT, 0,
-                                            PREFILL_ATTN_MAX_MAX, "positions"),
-                    decode_segments=_flag(env, DECODE_SEGMENTS, DECODE_SEGMENTS_DEFAULT))
+                                            PREFILL_ATTN_MAX_MAX, "positions"))

@@ -15,35 +15,13 @@ freshly initialised model; norm weights get a little noise around 1 so they are 
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from nanoqwen.engine.config import ModelConfig
 from nanoqwen.engine.quant import dequantize, quantize
-
-@contextlib.contextmanager
-def environ(**values: str | None) -> Iterator[None]:
-    """Set environment variables (None: unset) for the block, then restore them -- for code that
-    reads a switch once while it is built (a CUDA backend), where a module-scoped fixture cannot
-    use monkeypatch."""
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            os.environ.pop(k, None)
-            if v is not None:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k, None)
-            if v is not None:
-                os.environ[k] = v
-
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

@@ -20,16 +20,14 @@ from nanoqwen.engine import loader
 from nanoqwen.engine.cli import main
 from nanoqwen.engine.errors import BackendUnavailable, NanoqwenError
 from nanoqwen.engine.switches import (ATTN_MIN_PPS, ATTN_MIN_PPS_DEFAULT, ATTN_MIN_PPS_MAX,
-                                      DECODE_SEGMENTS, DECODE_SEGMENTS_DEFAULT,
                                       ATTN_TMA, ATTN_TMA_DEFAULT, INT4_MAX_M, INT4_MAX_M_DEFAULT,
                                       INT4_MAX_M_MAX, PDL, PREFILL_ATTN_MAX,
                                       PREFILL_ATTN_MAX_DEFAULT, PREFILL_ATTN_MAX_MAX, REMOVED,
                                       SwitchError, Switches, read_switches)
 
-FLAGS = [(PDL, "pdl", True), (ATTN_TMA, "attn_tma", ATTN_TMA_DEFAULT),
-         (DECODE_SEGMENTS, "decode_segments", DECODE_SEGMENTS_DEFAULT)]  # (variable, field, default)
+FLAGS = [(PDL, "pdl", True), (ATTN_TMA, "attn_tma", ATTN_TMA_DEFAULT)]  # (variable, field, default)
 FUSE_NORM = "NANOQWEN_FUSE_NORM"  # removed: refused when set
-ALL = (PDL, ATTN_TMA, ATTN_MIN_PPS, INT4_MAX_M, PREFILL_ATTN_MAX, DECODE_SEGMENTS, *REMOVED)
+ALL = (PDL, ATTN_TMA, ATTN_MIN_PPS, INT4_MAX_M, PREFILL_ATTN_MAX, *REMOVED)
 
 
 @pytest.fixture
@@ -149,10 +147,6 @@ def test_cpp_side_uses_the_same_default_and_bounds():
     # the backend hands NANOQWEN_ATTN_TMA to the engine as int(attn_tma): 1 must be the TMA kernel
     assert re.search(r"kAttnCpAsync = (\d+);", hdr).group(1) == "0"
     assert re.search(r"kAttnTma = (\d+);", hdr).group(1) == "1"
-    # ... and NANOQWEN_DECODE_SEGMENTS as int(decode_segments): 1 must be the segment kernels
-    eng = (REPO_ROOT / "csrc" / "engine.h").read_text()
-    assert re.search(r"kDecodeChain = (\d+);", eng).group(1) == "0"
-    assert re.search(r"kDecodeSegments = (\d+);", eng).group(1) == "1"
     for f in sorted((REPO_ROOT / "csrc").iterdir()):
         if f.suffix in (".cu", ".cuh", ".h", ".cpp"):
             text = f.read_text()

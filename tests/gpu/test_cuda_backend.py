@@ -474,10 +474,10 @@ def test_engine_core_rejects_bad_tensors(untied):
         Engine(g, layer[:-1], dense, ints, 1e-6, s)
     with pytest.raises(RuntimeError, match="a dense matrix has shape"):
         Engine(g, layer, dense[::-1], ints, 1e-6, s)
-    with pytest.raises(RuntimeError, match="ints has 13 values, expected 14"):
+    with pytest.raises(RuntimeError, match="ints has 12 values, expected 13"):
         Engine(g, layer, dense, ints[:-1], 1e-6, s)
     with pytest.raises(RuntimeError, match="prefill_attn_max=-1 must be >= 0"):
-        Engine(g, layer, dense, ints[:12] + [-1] + ints[13:], 1e-6, s)
+        Engine(g, layer, dense, ints[:-1] + [-1], 1e-6, s)
     core = cuda.core
     prompt = list(range(3, 20))
     cuda.truncate(0)

@@ -15,6 +15,7 @@ tolerance:
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -105,38 +106,34 @@ def test_column_counts_are_checked():
 
 
 # --- the verify step -----------------------------------------------------------------------------
-def make_cuda(cfg, max_context=512, seed=0, attn_tma=None, segments=None):
+def make_cuda(cfg, max_context=512, seed=0, attn_tma=None):
     """attn_tma: NANOQWEN_ATTN_TMA while the backend is built (the switch is read there), so
-    the decode step and the verify step run that attention kernel; segments: likewise
-    NANOQWEN_DECODE_SEGMENTS (the decode step's GEMVs as segment kernels, the verify step's as the
-    column GEMVs: the rows must still be equal); None: the default."""
+    the decode step and the verify step run that attention kernel; None: the default."""
     from nanoqwen.engine.backends.cuda import CudaBackend
-    from nanoqwen.engine.switches import ATTN_TMA, DECODE_SEGMENTS
+    from nanoqwen.engine.switches import ATTN_TMA
 
-    want = {ATTN_TMA: attn_tma, DECODE_SEGMENTS: segments}
-    with helpers.environ(**{k: None if val is None else str(int(val)) for k, val in want.items()}):
+    old = os.environ.pop(ATTN_TMA, None)
+    if attn_tma is not None:
+        os.environ[ATTN_TMA] = str(int(attn_tma))
+    try:
         be = CudaBackend(cfg, helpers.file_tensors(cfg, helpers.random_weights(cfg, seed=seed)),
                          max_context=max_context)
+    finally:
+        os.environ.pop(ATTN_TMA, None)
+        if old is not None:
+            os.environ[ATTN_TMA] = old
     assert attn_tma is None or be.switches.attn_tma is attn_tma
-    assert segments is None or be.switches.decode_segments is segments
     return be
 
 
-# (attention kernel, segment kernels): the cp.async and TMA attention with the chain, and the
-# segment kernels with the default attention
-VARIANTS = [(False, False), (True, False), (None, True)]
-VARIANT_IDS = ["cpasync", "tma", "segments"]
-
-
-@pytest.fixture(scope="module", params=VARIANTS, ids=VARIANT_IDS)
+@pytest.fixture(scope="module", params=[False, True], ids=["cpasync", "tma"])
 def tiny(request):
-    return make_cuda(helpers.TINY_UNTIED, attn_tma=request.param[0], segments=request.param[1])
+    return make_cuda(helpers.TINY_UNTIED, attn_tma=request.param)
 
 
-@pytest.fixture(scope="module", params=VARIANTS, ids=VARIANT_IDS)
+@pytest.fixture(scope="module", params=[False, True], ids=["cpasync", "tma"])
 def seven_b(request):
-    return make_cuda(SEVEN_B_2L, max_context=1024, attn_tma=request.param[0],
-                     segments=request.param[1])
+    return make_cuda(SEVEN_B_2L, max_context=1024, attn_tma=request.param)
 
 
 def decode_rows(be, prefix, tokens):
