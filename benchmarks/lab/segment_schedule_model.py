@@ -1,5 +1,6 @@
 """decode_segment.cu's schedule (benchmarks/attempts/decode-segments.patch: equal to the chain bit for
-bit and 1.7x slower at 7B on the H100, session 24), replayed on the CPU for every Qwen2.5-Coder shape: the index math
+bit and 1.7x slower at 7B on the H100, session 24; decode-segments-v2.patch keeps its schedule and
+has each warp walk the stage sequence that the producer walks here), replayed on the CPU for every Qwen2.5-Coder shape: the index math
 of the producer warp and the consumer warps (as written in the kernel) must cover every (16-row
 tile, group) of every phase exactly once, in the K ranges of the chain kernel's warps (gemv_int4.cu's
 table: q/k/v and o split K in 4, gate/up in 2, down in 8, o by 8 past k = 8192), the producer and
