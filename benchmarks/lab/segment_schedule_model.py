@@ -1,11 +1,12 @@
-"""decode_segment.cu's schedule (benchmarks/attempts/decode-segments.patch: equal to the chain bit for
-bit and 1.7x slower at 7B on the H100, session 24; decode-segments-v2.patch keeps its schedule and
-has each warp walk the stage sequence that the producer walks here), replayed on the CPU for every Qwen2.5-Coder shape: the index math
-of the producer warp and the consumer warps (as written in the kernel) must cover every (16-row
-tile, group) of every phase exactly once, in the K ranges of the chain kernel's warps (gemv_int4.cu's
-table: q/k/v and o split K in 4, gate/up in 2, down in 8, o by 8 past k = 8192), the producer and
-the consumers of a block must walk the same number of ring stages, and the counter a phase waits for
-must reach exactly the number of blocks that own tiles of the phase before (one release add each).
+"""decode_segment.cu's schedule (benchmarks/attempts/decode-segments.patch: equal to the chain bit
+for bit and 1.7x slower at 7B on the H100, session 24; decode-segments-v2.patch keeps its schedule
+and has each warp walk the stage sequence that the producer walks here), replayed on the CPU for
+every Qwen2.5-Coder shape: the index math of the producer warp and the consumer warps (as written
+in the kernel) must cover every (16-row tile, group) of every phase exactly once, in the K ranges
+of the chain kernel's warps (gemv_int4.cu's table: q/k/v and o split K in 4, gate/up in 2, down in
+8, o by 8 past k = 8192), the producer and the consumers of a block must walk the same number of
+ring stages, and the counter a phase waits for must reach exactly the number of blocks that own
+tiles of the phase before (one release add each).
 
     python benchmarks/lab/segment_schedule_model.py [--grid 132]
 
@@ -37,7 +38,7 @@ def phases(H: int, I: int, q: int, qkv_n: int, L: int, seg: int) -> list[tuple[i
     return out
 
 
-def check_segment(H, I, q, qkv_n, L, seg, grid) -> int:
+def check_segment(H, I, q, qkv_n, L, seg, grid) -> tuple[int, int, float, int]:
     """Returns (ring stages, weight bytes) of the busiest block, the mean bytes a block, and the sum
     over the phases of each phase's busiest block's bytes (figures, not checks). Every phase ends in
     a wait for all the blocks that own its tiles, so a phase lasts as long as its busiest block
@@ -51,6 +52,7 @@ def check_segment(H, I, q, qkv_n, L, seg, grid) -> int:
     for op, n, k in phases(H, I, q, qkv_n, L, seg):
         before = list(nbytes)
         ks, nt, G = k_split(op, k), (n + 15) // 16, k // 128
+        ks_log2 = ks.bit_length() - 1
         nm, tps = (2 if op == OP_SILU else 1), 8 // ks
         cntmax = -(-G // ks)
         pbase = base % grid
@@ -64,8 +66,10 @@ def check_segment(H, I, q, qkv_n, L, seg, grid) -> int:
                 ntiles = min(tps, count - s * tps)
                 stages[b] += cntmax * nm   # producer and consumers: for st, for m
                 for w in range(8):
-                    r, j = w % ks, w // ks
-                    gb, cnt = r * G // ks, (r + 1) * G // ks - r * G // ks
+                    # warp_range as the kernel writes it: shifts by ks_log2
+                    r, j = w & (ks - 1), w >> ks_log2
+                    gb = (r * G) >> ks_log2
+                    cnt = (((r + 1) * G) >> ks_log2) - gb
                     if j >= ntiles:
                         continue
                     tile = first + (s * tps + j) * grid
@@ -75,7 +79,7 @@ def check_segment(H, I, q, qkv_n, L, seg, grid) -> int:
                         assert key not in covered, ("twice", seg, op, key)
                         covered[key] = b
                         nbytes[b] += 64 * 16 * nm
-                        # the chain's warp r owns exactly these groups
+                        # the chain's warp r owns exactly these groups: [r*G/KS, (r+1)*G/KS)
                         assert r * G // ks <= gb + st < (r + 1) * G // ks
         assert len(covered) == nt * G, ("missed", seg, op, len(covered), nt * G)
         assert owners == min(grid, nt), (owners, grid, nt)
