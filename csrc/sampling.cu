@@ -580,7 +580,17 @@ cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, i
     return e;
   }();
   (void)np;  // refused: the occupancy query of 16 fails and max_sample_blocks() takes 8
-  static const int auto_blocks = max_sample_blocks();
+  // The occupancy query is made once per process, possibly while the stream is being captured
+  // (the engine's first decode step may be the graph's): the thread's capture mode is relaxed
+  // around it, the documented way to make a call a global-mode capture might refuse.
+  static const int auto_blocks = [] {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    const bool swapped = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
+    const int n = max_sample_blocks();
+    if (swapped) (void)cudaThreadExchangeStreamCaptureMode(&mode);
+    (void)cudaGetLastError();  // nothing sticky from the query
+    return n;
+  }();
   const int n = blocks > 0 ? blocks
                            : max(1, min(auto_blocks, (V + kIdsPerBlockMin - 1) / kIdsPerBlockMin));
   cudaLaunchConfig_t cfg = {};
