@@ -162,8 +162,9 @@ def bench_sampler(be, o) -> None:
     """sample_token alone (graph of 50 launches, median of 7 replays) per sampler setting, on
     the synthetic model's logits (random weights; "kept" shows how peaked they are) and on a
     peaked row like a real model's (50 tokens 14 nats above a 2-sigma bulk), as the engine
-    launches it (the automatic cluster) and in one block ("blocks" 1: the same code over the
-    whole vocabulary read from L2, which is what one block streaming 152064 logits costs).
+    launches it (the automatic cluster), as a cluster of 8 and in one block ("blocks" 1: the
+    same code over the whole vocabulary read from L2, which is what one block streaming 152064
+    logits costs).
     "kept" is the reference sampler's kept-set size."""
     from nanoqwen.engine.sampling import SamplerParams, _candidates
 
@@ -193,7 +194,7 @@ def bench_sampler(be, o) -> None:
             be.params_i.copy_(torch.tensor([k, 64, 1234, 0]))
             kept = 1 if t <= 0 else len(_candidates(cpu, SamplerParams(
                 temperature=t, top_k=k, top_p=p, min_p=mp))[1])  # penalty not applied here
-            for blocks in (0, 1):
+            for blocks in (0, 8, 1):
                 o.sample_token(be.sampled, be.work, logits, be.ctx_tokens, be.pos, be.params_f,
                                be.params_i, be.counter, path, blocks=blocks)
                 n_blocks = int(path.item()) >> 8  # csrc/kernels.h kPathBlocksShift
