@@ -5,7 +5,8 @@
 # table (each setting alone, the cluster against one block), `nanoqwen bench --synthetic 7b`,
 # then the sampler tests, or all of tests/gpu with FULL=1 (BENCH=0: the tests alone). OLD=1
 # then reverses out/sampler_old.patch (carried: `git diff <old> <new> -- csrc`), rebuilds and
-# runs bench_samplers.py on the old sampler, the same machine's A/B. Logs and JSON under $OUT.
+# runs bench_samplers.py on the old sampler, the same machine's A/B. STEP=0 / B7=0 skip
+# bench_step's table / the 7B bench. Logs and JSON under $OUT.
 # usage (carry .whl [out]): NANOQWEN_COMMIT=<git rev-parse --short HEAD here> [FULL=1] [BENCH=0] [OLD=1] bash benchmarks/verify_samplers_gpu.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 NANOQWEN_COMMIT
@@ -22,10 +23,14 @@ SMOKE=$?
 if [ "${BENCH:-1}" = 1 ]; then
 t "bench_samplers"
 timeout 240 python3 benchmarks/bench_samplers.py --json "$OUT/samplers_7b.json" 2>&1 | tail -22
+if [ "${STEP:-1}" = 1 ]; then
 t "bench_step sampler table"
 timeout 150 python3 benchmarks/bench_step.py 2>&1 | sed -n '/sample_token/,$p' | tail -22
+fi
+if [ "${B7:-1}" = 1 ]; then
 t "bench 7b"
 timeout 120 nanoqwen bench --synthetic 7b -p 512 -n 128 -r 5 --mode graph,eager --json > "$OUT/bench_7b.json" && tail -c 400 "$OUT/bench_7b.json"; echo
+fi
 fi
 if [ "${FULL:-0}" = 1 ]; then t "tests/gpu"; timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider 2>&1 | tail -30
 else t "sampler tests"; timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu/test_sampler_cluster.py tests/gpu/test_kernels.py -q --tb=short -p no:cacheprovider -k "sampl or top or cluster or block" 2>&1 | grep -v "^$" | tail -40; fi
