@@ -52,13 +52,12 @@ def slices(V: int, nb: int) -> list[tuple[int, int]]:
 
 def radix_pick(tot: np.ndarray, remaining: int) -> tuple[int, int]:
     """The kernel's radix_pick: the largest digit d with sum(tot[>= d]) >= remaining."""
-    digit, rem = 0, remaining
     acc = 0
     for d in range(255, -1, -1):
         if acc + int(tot[d]) >= remaining and acc < remaining:
             return d, remaining - acc
         acc += int(tot[d])
-    return digit, rem
+    return 0, remaining  # no digit qualifies (remaining 0): the kernel's defaults
 
 
 def cluster_radix(x, sl, floor_key, mx, target, mass: bool) -> int:
@@ -72,18 +71,11 @@ def cluster_radix(x, sl, floor_key, mx, target, mass: bool) -> int:
             w = fixed_mass(v, mx, 1.0) if mass else np.ones(n, dtype=np.uint64)
             take &= w != 0
             bins = ((key >> shift) & 255).astype(np.int64)
-            tot += np.bincount(bins[take], weights=None, minlength=256).astype(np.uint64) \
-                if not mass else _mass_hist(bins[take], w[take])
+            np.add.at(tot, bins[take], w[take])
         d, remaining = radix_pick(tot, remaining)
         prefix |= d << shift
         mask |= 255 << shift
     return prefix
-
-
-def _mass_hist(bins: np.ndarray, w: np.ndarray) -> np.ndarray:
-    out = np.zeros(256, dtype=np.uint64)
-    np.add.at(out, bins, w)
-    return out
 
 
 def top_p_target(top_p: float, z: int) -> int:
@@ -187,18 +179,7 @@ def direct_sample(x, temperature, top_k, top_p, min_p, u) -> int:
     if total == 0:
         return mx_i
     pick = min(int(u * total), total - 1)
-    c = np.cumsum(w.astype(object))
-    return int(np.searchsorted(np.array(c, dtype=np.float64), pick, side="right")) \
-        if total < 2**52 else _walk(w, pick)
-
-
-def _walk(w, pick) -> int:
-    acc = 0
-    for i, wi in enumerate(w):
-        acc += int(wi)
-        if acc > pick:
-            return i
-    raise AssertionError
+    return int(np.searchsorted(np.cumsum(w), pick, side="right"))  # uint64 sums: exact
 
 
 def main(argv=None) -> int:
