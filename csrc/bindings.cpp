@@ -324,7 +324,7 @@ void attention_decode(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, Tensor& counte
 
 void sample_token(Tensor& out_token, Tensor& work, const Tensor& logits, const Tensor& ctx_tokens,
                   const Tensor& pos, const Tensor& params_f, const Tensor& params_i,
-                  const Tensor& counter, const c10::optional<Tensor>& path) {
+                  const Tensor& counter, const c10::optional<Tensor>& path, int64_t blocks) {
   const char* op = "sample_token";
   check_arg(op, "out_token", out_token, at::kInt);
   check_arg(op, "work", work, at::kFloat);
@@ -353,6 +353,8 @@ void sample_token(Tensor& out_token, Tensor& work, const Tensor& logits, const T
     same_device(op, out_token, *path, "an input");
     path_ptr = path->data_ptr<int32_t>();
   }
+  NQ_CHECK(blocks >= 0 && blocks <= 16, op, ": blocks=", blocks,
+           " must be 0 (automatic) or 1..16");
   const c10::cuda::CUDAGuard g(out_token.device());
   check_launch(op, nanoqwen::sample_token(out_token.data_ptr<int32_t>(), work.data_ptr<float>(),
                                           logits.data_ptr<float>(), (int)V,
@@ -361,7 +363,7 @@ void sample_token(Tensor& out_token, Tensor& work, const Tensor& logits, const T
                                           params_f.data_ptr<float>(),
                                           params_i.data_ptr<int64_t>(),
                                           counter.data_ptr<int64_t>(), stream_of(out_token),
-                                          path_ptr));
+                                          path_ptr, (int)blocks));
 }
 
 void check_pinned(const char* op, const char* name, const Tensor& t, int64_t cols) {
@@ -1327,7 +1329,7 @@ TORCH_LIBRARY(nanoqwen, m) {
   // penalty/greedy/top-k/top-p/min-p/temperature sampling with params in device memory
   m.def("sample_token(Tensor! out_token, Tensor! work, Tensor logits, Tensor ctx_tokens, "
         "Tensor pos, Tensor params_f, Tensor params_i, Tensor counter, "
-        "Tensor(a!)? path=None) -> ()");
+        "Tensor(a!)? path=None, int blocks=0) -> ()");
   // end of step: sampled id -> next input, pos += 1, context ids, pinned host ring, counter += 1
   m.def("advance_step(Tensor! token_in, Tensor! pos, Tensor! ctx_tokens, Tensor! counter, "
         "Tensor! host_ring, Tensor sampled, Tensor stops, Tensor! halt) -> ()");

@@ -160,17 +160,20 @@ cudaError_t attention_decode_cached(half* out, float* ws_acc, float* ws_ml, int3
 //   params_f fp32 [4]  = temperature, top_p, min_p, repeat_penalty
 //   params_i int64 [4] = top_k, repeat_last_n, seed, (unused)
 //   counter  int64 [1] = the draw's counter (advance() increments it)
-//   work     fp32 [V]  scratch for the penalised logits
+//   work     fp32 [V]  scratch for the penalised logits of slices too long for shared memory
 // Parameters live in device memory, so changing one needs no graph re-capture.
 // ctx_tokens holds ctx_capacity ids; the window is clamped to it.
+// One thread-block cluster of `blocks` blocks (0: automatic, the largest cluster the GPU runs
+// at once, fewer for small vocabularies; 1..16 explicitly), each over a slice of the
+// vocabulary; the token does not depend on the number of blocks (the tests' reference is 1).
 // path (int32 [1], optional; nullptr in the engine): the kPath* bits of the stages that ran,
-// so tests see which path drew the token (the fast paths draw the full path's token).
-constexpr int32_t kPathGreedy = 1, kPathTopKFast = 2, kPathTopKWide = 4, kPathTopPFast = 8,
-                  kPathRadixTopK = 16, kPathCompact = 32, kPathRadixTopP = 64, kPathDrawFull = 128;
+// whether the slices were in shared memory, and the number of blocks << kPathBlocksShift.
+constexpr int32_t kPathGreedy = 1, kPathTopK = 2, kPathTopP = 4, kPathMinP = 8, kPathDraw = 16,
+                  kPathRowShared = 32, kPathBlocksShift = 8;
 cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, int V,
                          const int32_t* ctx_tokens, int ctx_capacity, const int32_t* pos, const float* params_f,
                          const int64_t* params_i, const int64_t* counter, cudaStream_t stream,
-                         int32_t* path = nullptr);
+                         int32_t* path = nullptr, int blocks = 0);
 
 // The end of a decode step, so the next one needs no host round trip:
 //   token_in[0] = sampled; pos += 1; ctx_tokens[pos] = sampled (if pos < ctx_capacity);
