@@ -344,8 +344,8 @@ def test_graph_replay_equals_eager(gen):
 
 
 # csrc/kernels.h: the kPath* bits sample_token writes to its optional `path` output
-GREEDY, TOP_K, TOP_P, MIN_P, DRAW, ROW_SHARED, BLOCKS_SHIFT = 1, 2, 4, 8, 16, 32, 8
-STAGES = GREEDY | TOP_K | TOP_P | MIN_P | DRAW
+P_GREEDY, P_TOP_K, P_TOP_P, P_MIN_P, P_DRAW, P_ROW_SHARED, P_BLOCKS_SHIFT = 1, 2, 4, 8, 16, 32, 8
+P_STAGES = P_GREEDY | P_TOP_K | P_TOP_P | P_MIN_P | P_DRAW
 
 
 def path_bits(logits: torch.Tensor, st, blocks: int = 0) -> tuple[int, int]:
@@ -368,23 +368,23 @@ def test_cluster_is_used(gen):
     V = 152064
     peaked, flat = make_logits("peaked", V, gen), make_logits("flat", V, gen)
     for logits, top_k, top_p, min_p, temperature, stages in [
-            (peaked, 0, 0.9, 0.0, 0.8, TOP_P | DRAW),
-            (flat, 0, 0.95, 0.05, 0.8, TOP_P | MIN_P | DRAW),
-            (peaked, 40, 0.95, 0.05, 0.8, TOP_K | TOP_P | MIN_P | DRAW),
-            (flat, 5000, 1.0, 0.0, 0.8, TOP_K | DRAW),
-            (flat, 0, 1.0, 0.0, 1.0, DRAW),
-            (peaked, 40, 0.9, 0.0, 0.0, GREEDY)]:
+            (peaked, 0, 0.9, 0.0, 0.8, P_TOP_P | P_DRAW),
+            (flat, 0, 0.95, 0.05, 0.8, P_TOP_P | P_MIN_P | P_DRAW),
+            (peaked, 40, 0.95, 0.05, 0.8, P_TOP_K | P_TOP_P | P_MIN_P | P_DRAW),
+            (flat, 5000, 1.0, 0.0, 0.8, P_TOP_K | P_DRAW),
+            (flat, 0, 1.0, 0.0, 1.0, P_DRAW),
+            (peaked, 40, 0.9, 0.0, 0.0, P_GREEDY)]:
         st = state(V, top_k, top_p, min_p, temperature)
         token, bits = path_bits(logits, st)
         one_token, one_bits = path_bits(logits, st, blocks=1)
         setting = (top_k, top_p, min_p, temperature, f"bits {bits:#x}, one block {one_bits:#x}")
         print(setting)
-        assert bits >> BLOCKS_SHIFT >= 8 and bits & ROW_SHARED, setting
-        assert bits & STAGES == stages == one_bits & STAGES, setting
-        assert one_bits >> BLOCKS_SHIFT == 1 and not one_bits & ROW_SHARED, setting
+        assert bits >> P_BLOCKS_SHIFT >= 8 and bits & P_ROW_SHARED, setting
+        assert bits & P_STAGES == stages == one_bits & P_STAGES, setting
+        assert one_bits >> P_BLOCKS_SHIFT == 1 and not one_bits & P_ROW_SHARED, setting
         assert token == one_token, setting
     _, bits = path_bits(make_logits("peaked", 5, gen), state(5, 0, 0.9, 0.0))
-    assert bits >> BLOCKS_SHIFT == 1 and bits & ROW_SHARED, f"{bits:#x}"
+    assert bits >> P_BLOCKS_SHIFT == 1 and bits & P_ROW_SHARED, f"{bits:#x}"
 
 
 @pytest.mark.parametrize("blocks", [-1, 17])
