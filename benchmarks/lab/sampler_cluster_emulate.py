@@ -1,4 +1,5 @@
-"""The cluster sampler of `benchmarks/attempts/sampler-cluster.patch` emulated on the CPU.
+"""The cluster sampler of csrc/sampling.cu (session 25's attempt, landed in session 26),
+emulated on the CPU.
 
     python benchmarks/lab/sampler_cluster_emulate.py [--rows 40]
 
