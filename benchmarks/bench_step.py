@@ -6,13 +6,15 @@ fused-norm GEMVs, the unfused rope_kv_write + paged_attention pair), from the la
 NANOQWEN_PDL=0 in the environment launches without programmatic dependent launch (A/B).
 
     python benchmarks/bench_step.py [--preset 7b] [--context 512] [--alt]
+                                    [--sampler-only] [--json FILE]
 
 Synthetic random weights made on the GPU (CudaBackend.synthetic); the context is filled by a
 prefill so attention reads a real cache. Per-op figures include each launch's own overhead
 inside a graph, so their sum can exceed the step (no overlap between kernels of one token).
 A second table times sample_token per sampler setting (greedy, the app default, top-k off with
 top-p / min-p, large top-k), as the engine launches it and in one block, on the model's logits
-and on a peaked row (bench_sampler).
+and on a peaked row (bench_sampler); --sampler-only prints that table alone, --json FILE
+writes its rows (with date, device and commit).
 """
 
 from __future__ import annotations
@@ -36,13 +38,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--alt", action="store_true",
                     help="also time the lab's alternatives (fused-norm GEMVs, paged_attention)")
+    ap.add_argument("--sampler-only", action="store_true",
+                    help="only the sample_token table (skips the step's ops)")
+    ap.add_argument("--json", default=None, help="write the sample_token table's rows here")
     a = ap.parse_args()
     cfg = ModelConfig.from_name(a.preset)
     be = CudaBackend.synthetic(cfg, max_context=a.context + 64)
     be.forward(list(range(1, a.context)))  # K/V for positions 0..context-2
     be.forward([5])                        # one decode step: pos = context - 1
     o = torch.ops.nanoqwen
-    L0 = be.layers[0]
     nl = cfg.num_hidden_layers
     pos_val = int(be.pos)
     eps = cfg.rms_norm_eps
@@ -76,6 +80,10 @@ def main() -> None:
         ("advance_step", 1, lambda i: o.advance_step(
             be.token_in, be.pos, be.ctx_tokens, be.counter, ring, be.sampled, no_stops, halt)),
     ]
+    if a.sampler_only:
+        with torch.inference_mode():
+            bench_sampler(be, o, a.json)
+        return
     other = alternatives(be, q, eps) if a.alt else []
     import os
     print(f"# {cfg.name} decode step at context {a.context}, {torch.cuda.get_device_name()}, "
@@ -108,7 +116,7 @@ def main() -> None:
     print(f"weights per token {cfg.decode_bytes_per_token() / 1e9:.2f} GB -> floor "
           f"{cfg.decode_bytes_per_token() / 4276e9 * 1e6:.0f} us at 4276 GB/s")
     with torch.inference_mode():
-        bench_sampler(be, o)
+        bench_sampler(be, o, a.json)
 
 
 def alternatives(be, q, eps) -> list:
@@ -158,7 +166,7 @@ def alternatives(be, q, eps) -> list:
     ]
 
 
-def bench_sampler(be, o) -> None:
+def bench_sampler(be, o, json_path: str | None = None) -> None:
     """sample_token alone (graph of 50 launches, median of 7 replays) per sampler setting, on
     the synthetic model's logits (random weights; "kept" shows how peaked they are) and on a
     peaked row like a real model's (50 tokens 14 nats above a 2-sigma bulk), as the engine
@@ -166,6 +174,10 @@ def bench_sampler(be, o) -> None:
     same code over the whole vocabulary read from L2, which is what one block streaming 152064
     logits costs).
     "kept" is the reference sampler's kept-set size."""
+    import json
+    import time
+
+    from nanoqwen.engine.bench import _commit
     from nanoqwen.engine.sampling import SamplerParams, _candidates
 
     V = be.logits.shape[0]
@@ -185,6 +197,7 @@ def bench_sampler(be, o) -> None:
     saved = be.params_f.clone(), be.params_i.clone()
     path = torch.zeros(1, dtype=torch.int32, device=be.device)
     print()
+    table = []
     print("| sample_token | logits | kept | blocks | us/call |")
     print("| --- | --- | --- | --- | --- |")
     for label, logits in (("model", be.logits), ("peaked", peaked)):
@@ -202,8 +215,15 @@ def bench_sampler(be, o) -> None:
                     be.sampled, be.work, logits, be.ctx_tokens, be.pos, be.params_f,
                     be.params_i, be.counter, blocks=b))
                 print(f"| {name} | {label} | {kept} | {n_blocks} | {us:.2f} |")
+                table.append(dict(setting=name.strip(), logits=label, kept=kept,
+                                  blocks_asked=blocks, blocks=n_blocks, us_per_call=us))
     be.params_f.copy_(saved[0])
     be.params_i.copy_(saved[1])
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(bench="bench_step sample_token", vocab=V,
+                           device=torch.cuda.get_device_name(), commit=_commit(),
+                           date=time.strftime("%Y-%m-%d"), rows=table), f, indent=2)
 
 
 if __name__ == "__main__":
