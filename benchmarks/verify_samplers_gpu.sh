@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call for issue 12 item 3 (samplers at no cost): install, build, a smoke run of the
 # sampler's cluster (timed out, so a hang costs a minute, not the call), bench_samplers.py (7B
-# synthetic, graph mode: what each setting adds to the decode step), bench_step.py's sampler
-# table (each setting alone, the cluster against one block), `nanoqwen bench --synthetic 7b`,
+# synthetic, graph mode: what each setting adds to the decode step), bench_step.py --sampler-only
+# (each setting alone, the cluster against one block), `nanoqwen bench --synthetic 7b`,
 # then the sampler tests, or all of tests/gpu with FULL=1 (BENCH=0: the tests alone). OLD=1
 # then reverses out/sampler_old.patch (carried: `git diff <old> <new> -- csrc`), rebuilds and
-# runs bench_samplers.py on the old sampler, the same machine's A/B. STEP=0 / B7=0 skip
-# bench_step's table / the 7B bench. Logs and JSON under $OUT.
+# runs bench_samplers.py (and, STEP=1, bench_step --sampler-only) on the old sampler, the same
+# machine's A/B. STEP=0 / B7=0 skip bench_step's table / the 7B bench. Logs and JSON under $OUT.
 # usage (carry .whl [out]): NANOQWEN_COMMIT=<git rev-parse --short HEAD here> [FULL=1] [BENCH=0] [OLD=1] bash benchmarks/verify_samplers_gpu.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 NANOQWEN_COMMIT
@@ -25,7 +25,7 @@ t "bench_samplers"
 timeout 240 python3 benchmarks/bench_samplers.py --json "$OUT/samplers_7b.json" 2>&1 | tail -22
 if [ "${STEP:-1}" = 1 ]; then
 t "bench_step sampler table"
-timeout 150 python3 benchmarks/bench_step.py 2>&1 | sed -n '/sample_token/,$p' | tail -22
+timeout 150 python3 benchmarks/bench_step.py --sampler-only --json "$OUT/sampler_calls_7b.json" 2>&1 | tail -52
 fi
 if [ "${B7:-1}" = 1 ]; then
 t "bench 7b"
@@ -39,6 +39,8 @@ if [ "${OLD:-0}" = 1 ]; then
   patch -R -p1 -s < out/sampler_old.patch && timeout 200 python3 -c "
 from nanoqwen.engine.build import load_extension; print(load_extension())" 2>&1 | tail -3 &&
   timeout 240 python3 benchmarks/bench_samplers.py --json "$OUT/samplers_7b_old.json" 2>&1 | tail -22
+  [ "${STEP:-1}" = 1 ] && timeout 150 python3 benchmarks/bench_step.py --sampler-only \
+    --json "$OUT/sampler_calls_7b_old.json" 2>&1 | tail -52
   patch -p1 -s < out/sampler_old.patch
 fi
 t "done (smoke rc $SMOKE)"

@@ -1,9 +1,9 @@
 """The cluster sampler of csrc/sampling.cu (session 25's attempt, landed in session 26),
 emulated on the CPU.
 
-    python benchmarks/lab/sampler_cluster_emulate.py [--rows 40]
+    python benchmarks/lab/sampler_cluster_emulate.py [--rows 40] [--coarse]
 
-csrc/sampling.cu's cluster form (in that patch) cuts the vocabulary into slices, one a block,
+csrc/sampling.cu's cluster form cuts the vocabulary into slices, one a block,
 and exchanges each block's argmax, sums and 256-bin radix histograms through distributed shared
 memory. This script replays that index math with numpy: the slices (ceil(V / blocks) rounded up
 to 4), the per-block radix histograms summed over the blocks, radix_pick, the draw's block
@@ -17,6 +17,10 @@ checks the algorithm and its indices, not the GPU's bits. Exit status 0 when eve
 Controls (planted in a copy, session 25): radix_pick's >= written >, the argmax's tie rule
 dropped, and the run's walk started at 0 instead of its prefix are each caught at 12-20 rows; an
 off-by-one of one 2^-32 unit in the prefix is not (a pick lands there with probability ~1e-9).
+--coarse adds the first pass of benchmarks/attempts/sampler-coarse.patch (session 26): a
+256-bin digit on the logit's distance below the max, then the radix passes over that digit's
+ids only. Controls (session 26): the digit ordered against the keys (0 at the max) is caught
+(82 of 280 draws disagree at 40 rows), and so is the radix passes ignoring the chosen digit.
 """
 from __future__ import annotations
 
@@ -61,14 +65,38 @@ def radix_pick(tot: np.ndarray, remaining: int) -> tuple[int, int]:
     return 0, remaining  # no digit qualifies (remaining 0): the kernel's defaults
 
 
-def cluster_radix(x, sl, floor_key, mx, target, mass: bool) -> int:
+def coarse_digit(v: np.ndarray, key: np.ndarray, mx: float) -> np.ndarray:
+    """The attempt's coarse_digit: 255 at or above the max's key, 254 - (mx - v) * 8 (float32,
+    truncated) down to 1, 0 beyond or NaN."""
+    key_mx = int(float_key(np.array([mx], dtype=np.float32))[0])
+    with np.errstate(over="ignore", invalid="ignore"):
+        d = (np.float32(mx) - v.astype(np.float32)).astype(np.float32) * np.float32(8.0)
+        d = d.astype(np.float32)
+        inner = np.where(d < 254.0, 254 - np.floor(np.where(np.isfinite(d), d, 0)), 0)
+    inner = np.where(np.isnan(d), 0, inner)
+    return np.where(key >= key_mx, 255, inner).astype(np.int64)
+
+
+def cluster_radix(x, sl, floor_key, mx, target, mass: bool, coarse: bool = False) -> int:
     prefix, mask, remaining = 0, 0, target
+    cdigit = None
+    if coarse:  # the attempt's first pass: the coarse digit where the target is crossed
+        tot = np.zeros(256, dtype=np.uint64)
+        for c0, n in sl:
+            v = x[c0:c0 + n]
+            key = float_key(v)
+            w = fixed_mass(v, mx, 1.0) if mass else np.ones(n, dtype=np.uint64)
+            take = (key >= floor_key) & (w != 0)
+            np.add.at(tot, coarse_digit(v, key, mx)[take], w[take])
+        cdigit, remaining = radix_pick(tot, remaining)
     for shift in (24, 16, 8, 0):
         tot = np.zeros(256, dtype=np.uint64)
         for c0, n in sl:  # each block's histogram, then the cluster's sum
             v = x[c0:c0 + n]
             key = float_key(v)
             take = ((key & mask) == prefix) & (key >= floor_key)
+            if cdigit is not None:
+                take &= coarse_digit(v, key, mx) == cdigit
             w = fixed_mass(v, mx, 1.0) if mass else np.ones(n, dtype=np.uint64)
             take &= w != 0
             bins = ((key >> shift) & 255).astype(np.int64)
@@ -84,7 +112,7 @@ def top_p_target(top_p: float, z: int) -> int:
     return max(1, min(t, z)) if z > 0 else 0
 
 
-def cluster_sample(x, nb, temperature, top_k, top_p, min_p, u) -> int:
+def cluster_sample(x, nb, temperature, top_k, top_p, min_p, u, coarse=False) -> int:
     V = len(x)
     sl = slices(V, nb)
     # argmax: per block (lowest id on ties), then over the blocks
@@ -101,14 +129,15 @@ def cluster_sample(x, nb, temperature, top_k, top_p, min_p, u) -> int:
         return max_idx
     floor_key = 0
     if 0 < top_k < V:
-        floor_key = cluster_radix(x, sl, 0, mx, top_k, mass=False)
+        floor_key = cluster_radix(x, sl, 0, mx, top_k, mass=False, coarse=coarse)
     if top_p < 1.0:
         z = 0
         for c0, n in sl:
             v = x[c0:c0 + n]
             z += int(fixed_mass(v, mx, 1.0)[float_key(v) >= floor_key].sum())
         if z > 0:
-            floor_key = cluster_radix(x, sl, floor_key, mx, top_p_target(top_p, z), mass=True)
+            floor_key = cluster_radix(x, sl, floor_key, mx, top_p_target(top_p, z), mass=True,
+                                      coarse=coarse and not 0 < top_k <= 1024)
     if min_p > 0:
         floor_key = max(floor_key, int(float_key(np.array([mx + np.log(np.float32(min_p))],
                                                          dtype=np.float32))[0]))
@@ -186,14 +215,17 @@ def direct_sample(x, temperature, top_k, top_p, min_p, u) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=40)
+    ap.add_argument("--coarse", action="store_true",
+                    help="the coarse first digit of benchmarks/attempts/sampler-coarse.patch")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     bad = 0
     settings = [(0.0, 0, 1.0, 0.0), (0.8, 40, 0.95, 0.05), (0.8, 0, 0.9, 0.0),
-                (1.0, 1500, 1.0, 0.0), (0.8, 0, 1.0, 0.05), (1.5, 5, 0.5, 0.0)]
+                (1.0, 1500, 1.0, 0.0), (0.8, 0, 1.0, 0.05), (1.5, 5, 0.5, 0.0),
+                (0.8, 2000, 0.9, 0.0)]
     for row in range(args.rows):
         V = int(rng.choice([5, 37, 1000, 1025, 4099, 33333]))
-        kind = row % 4
+        kind = row % 5
         x = rng.standard_normal(V).astype(np.float32)
         if kind == 0:
             x *= 2
@@ -202,12 +234,15 @@ def main(argv=None) -> int:
             x = np.round(x * 2).astype(np.float32)  # ties everywhere
         elif kind == 2:
             x *= 0.5  # flat
-        else:
+        elif kind == 3:
             x[-min(V, 7):] += 9  # strong tokens in the last slice
+        else:  # wide (most ids beyond the coarse digit's 31.75 below the max) and some -inf
+            x *= 12
+            x[rng.choice(V, max(1, V // 10), replace=False)] = -np.inf
         for temperature, top_k, top_p, min_p in settings:
             u = float(rng.random())
             ref = direct_sample(x, temperature, top_k, top_p, min_p, u)
-            got = {nb: cluster_sample(x, nb, temperature, top_k, top_p, min_p, u)
+            got = {nb: cluster_sample(x, nb, temperature, top_k, top_p, min_p, u, args.coarse)
                    for nb in (1, 2, 3, 4, 8, 16)}
             if len(set(got.values())) != 1 or ref not in got.values():
                 bad += 1
