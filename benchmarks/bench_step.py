@@ -47,6 +47,10 @@ def main() -> None:
     be.forward(list(range(1, a.context)))  # K/V for positions 0..context-2
     be.forward([5])                        # one decode step: pos = context - 1
     o = torch.ops.nanoqwen
+    if a.sampler_only:
+        with torch.inference_mode():
+            bench_sampler(be, o, a.json)
+        return
     nl = cfg.num_hidden_layers
     pos_val = int(be.pos)
     eps = cfg.rms_norm_eps
@@ -80,10 +84,6 @@ def main() -> None:
         ("advance_step", 1, lambda i: o.advance_step(
             be.token_in, be.pos, be.ctx_tokens, be.counter, ring, be.sampled, no_stops, halt)),
     ]
-    if a.sampler_only:
-        with torch.inference_mode():
-            bench_sampler(be, o, a.json)
-        return
     other = alternatives(be, q, eps) if a.alt else []
     import os
     print(f"# {cfg.name} decode step at context {a.context}, {torch.cuda.get_device_name()}, "
