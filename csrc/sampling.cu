@@ -610,22 +610,37 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
   cluster_sync();
 }
 
-// The largest cluster of sample_kernel blocks (16, 8, 4, 2 or 1) this GPU can run at once.
-static int max_sample_blocks() {
-  for (int n = kMaxSampleBlocks; n > 1; n >>= 1) {
-    cudaLaunchConfig_t cfg = {};
+// The launch of one cluster of n sample_kernel blocks: the cluster attribute first, then PDL.
+// The occupancy query uses the first attribute only (numAttrs 1), the launch both. Not copyable:
+// cfg.attrs points into the object.
+struct SampleLaunch {
+  cudaLaunchAttribute attrs[2];
+  cudaLaunchConfig_t cfg = {};
+  SampleLaunch(int n, cudaStream_t stream, bool pdl) {
     cfg.gridDim = dim3(n);
     cfg.blockDim = dim3(kSampleThreads);
     cfg.dynamicSmemBytes = kSampleSmemBytes;
-    cudaLaunchAttribute a[1];
-    a[0].id = cudaLaunchAttributeClusterDimension;
-    a[0].val.clusterDim.x = n;
-    a[0].val.clusterDim.y = 1;
-    a[0].val.clusterDim.z = 1;
-    cfg.attrs = a;
-    cfg.numAttrs = 1;
+    cfg.stream = stream;
+    attrs[0].id = cudaLaunchAttributeClusterDimension;
+    attrs[0].val.clusterDim.x = n;
+    attrs[0].val.clusterDim.y = 1;
+    attrs[0].val.clusterDim.z = 1;
+    attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[1].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+    cfg.attrs = attrs;
+    cfg.numAttrs = 2;
+  }
+  SampleLaunch(const SampleLaunch&) = delete;
+  SampleLaunch& operator=(const SampleLaunch&) = delete;
+};
+
+// The largest cluster of sample_kernel blocks (16, 8, 4, 2 or 1) this GPU can run at once.
+static int max_sample_blocks() {
+  for (int n = kMaxSampleBlocks; n > 1; n >>= 1) {
+    SampleLaunch l(n, nullptr, false);
+    l.cfg.numAttrs = 1;
     int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, sample_kernel, &cfg) == cudaSuccess &&
+    if (cudaOccupancyMaxActiveClusters(&clusters, sample_kernel, &l.cfg) == cudaSuccess &&
         clusters > 0)
       return n;
     (void)cudaGetLastError();  // not sticky
@@ -666,21 +681,8 @@ cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, i
   }();
   const int n = blocks > 0 ? blocks
                            : max(1, min(auto_blocks, (V + kIdsPerBlockMin - 1) / kIdsPerBlockMin));
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(n);
-  cfg.blockDim = dim3(kSampleThreads);
-  cfg.dynamicSmemBytes = kSampleSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute a[2];
-  a[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  a[0].val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
-  a[1].id = cudaLaunchAttributeClusterDimension;
-  a[1].val.clusterDim.x = n;
-  a[1].val.clusterDim.y = 1;
-  a[1].val.clusterDim.z = 1;
-  cfg.attrs = a;
-  cfg.numAttrs = 2;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, sample_kernel, out_token, work, logits, V, ctx_tokens,
+  SampleLaunch l(n, stream, pdl_enabled());
+  cudaError_t e = cudaLaunchKernelEx(&l.cfg, sample_kernel, out_token, work, logits, V, ctx_tokens,
                                      ctx_capacity, pos, params_f, params_i, counter, path);
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e == cudaSuccess) return e;
