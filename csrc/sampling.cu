@@ -376,27 +376,38 @@ __device__ uint32_t cluster_radix(const Slice& s, uint32_t floor_key, float mx,
   const auto weight = [&](float v) -> unsigned long long {
     return kMass ? fixed_mass(v, mx, 1.0f) : 1ull;  // <= 2^32
   };
-  uint32_t cdigit = 0;
-  if (coarse) {
+  // One histogram pass over the slice: an id whose key is at or above floor_key and which
+  // bin_of(key, v) puts in a bin (>= 0) adds its weight to that bin of its warp's histogram.
+  // match: lanes are grouped by bin with __match_any_sync (the radix passes); otherwise the warp
+  // adds once when all its takers share one bin (flat ties) and per lane when they do not.
+  const auto hist_pass = [&](auto bin_of, bool match) {
 #pragma unroll
     for (int b = lane; b < 256; b += 32) my[b] = 0ull;
     __syncwarp();
     for_slice(s, [&](float v, int, bool in) {
       bool take = false;
-      uint32_t bin = 0;
+      int bin = -1;
       unsigned long long w = 0;
       if (in) {
         const uint32_t key = float_key(v);
-        if (key >= floor_key) {
+        if (key >= floor_key) bin = bin_of(key, v);
+        if (bin >= 0) {
           w = weight(v);
           take = w != 0;
-          bin = coarse_digit(key, key_mx, v, mx);
         }
       }
       const unsigned act = __ballot_sync(0xffffffffu, take);
+      if (match) {
+        if (take) {
+          const unsigned peers = __match_any_sync(act, bin);
+          const unsigned long long total = lanes_weight<kMass>(peers, w);
+          if (lane == __ffs(peers) - 1) atomicAdd(&my[bin], total);
+        }
+        return;
+      }
       if (act == 0) return;  // warp-uniform
       const int leader = __ffs(act) - 1;
-      const uint32_t lead_bin = __shfl_sync(0xffffffffu, bin, leader);
+      const int lead_bin = __shfl_sync(0xffffffffu, bin, leader);
       if (__all_sync(0xffffffffu, !take || bin == lead_bin)) {  // one bin: one add
         if (take) {
           const unsigned long long total = lanes_weight<kMass>(act, w);
@@ -407,36 +418,25 @@ __device__ uint32_t cluster_radix(const Slice& s, uint32_t floor_key, float mx,
       }
     });
     exchange_pick();
+  };
+  uint32_t cdigit = 0;
+  if (coarse) {
+    hist_pass([&](uint32_t key, float v) { return (int)coarse_digit(key, key_mx, v, mx); },
+              false);
     cdigit = (uint32_t)sh.sel_digit;
     remaining = sh.sel_rem;
     __syncthreads();  // sh.sel_* and sh.tot are rewritten by the next pass
   }
   uint32_t prefix = 0, mask = 0;
   for (int shift = 24; shift >= 0; shift -= 8) {
-#pragma unroll
-    for (int b = lane; b < 256; b += 32) my[b] = 0ull;
-    __syncwarp();
-    for_slice(s, [&](float v, int, bool in) {
-      bool take = false;
-      uint32_t bin = 0;
-      unsigned long long w = 0;
-      if (in) {
-        const uint32_t key = float_key(v);
-        if ((key & mask) == prefix && key >= floor_key &&
-            (!coarse || coarse_digit(key, key_mx, v, mx) == cdigit)) {
-          w = weight(v);
-          take = w != 0;
-          bin = (key >> shift) & 255u;
-        }
-      }
-      const unsigned act = __ballot_sync(0xffffffffu, take);
-      if (take) {
-        const unsigned peers = __match_any_sync(act, bin);
-        const unsigned long long total = lanes_weight<kMass>(peers, w);
-        if (lane == __ffs(peers) - 1) atomicAdd(&my[bin], total);
-      }
-    });
-    exchange_pick();
+    hist_pass(
+        [&](uint32_t key, float v) {
+          return (key & mask) == prefix &&
+                         (!coarse || coarse_digit(key, key_mx, v, mx) == cdigit)
+                     ? (int)((key >> shift) & 255u)
+                     : -1;
+        },
+        true);
     prefix |= (uint32_t)sh.sel_digit << shift;
     mask |= 255u << shift;
     remaining = sh.sel_rem;
