@@ -10,9 +10,8 @@
 //      copy of an id writes f(original) into the slice, so a repeated id is penalised once
 //      whatever the order of the (benign, same-value) writes.
 //   2. greedy: argmax, lowest id on ties. Done.
-//   3. top-k: the k-th largest logit by a radix select over order-preserving 32-bit keys: a
-//      coarse pass on the logit's distance below the max, then 4 passes of 8 bits over the
-//      ids of the coarse digit that holds the k-th (ties at the k-th value are all kept).
+//   3. top-k: the k-th largest logit by a 4-pass radix select over order-preserving 32-bit
+//      keys (ties at the k-th value are all kept).
 //   4. top-p: the largest threshold whose kept mass reaches top_p * Z, by the same radix
 //      walk over exp(l - max) masses. Masses are 2^32 fixed point summed with integer
 //      atomics and integer exchanges, so the result depends neither on the order of the
@@ -52,10 +51,6 @@ constexpr int kWarpHistWords = kSampleWarps * 256;
 constexpr int kSampleSmemBytes = kRowCap * 4 + kWarpHistWords * 8;
 // the automatic block count: one block per this many ids, at least 1 (small vocabularies)
 constexpr int kIdsPerBlockMin = 2048;
-// the coarse digit's bins per unit of logit below the max: bins 1..254 cover 31.75 below it
-constexpr float kCoarseScale = 8.0f;
-// top-p after a top-k of at most this many ids selects without the coarse digit (few takers)
-constexpr int64_t kCoarseAfterTopK = 1024;
 
 __device__ __forceinline__ uint32_t float_key(float f) {
   const uint32_t b = __float_as_uint(f);
@@ -72,17 +67,6 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 ctr, uint2 key) {
     key.y += 0xBB67AE85u;
   }
   return ctr;
-}
-
-// The coarse digit of a select, ordered like the keys (radix_pick takes the largest digit
-// first): 255 at or above the max's key (the max, positive NaNs), then 254 - (mx - v) *
-// kCoarseScale down to 1, 0 beyond (-inf, negative NaNs). Rounded subtraction and
-// multiplication are monotone and so is the truncation, so the digit never decreases as the key
-// grows: every id of a higher coarse digit has a larger key than every id of a lower one.
-__device__ __forceinline__ uint32_t coarse_digit(uint32_t key, uint32_t key_mx, float v, float mx) {
-  if (key >= key_mx) return 255u;
-  const float d = __fmul_rn(__fsub_rn(mx, v), kCoarseScale);
-  return d < 254.0f ? 254u - (uint32_t)d : 0u;  // NaN: 0
 }
 
 // exp((v - mx) * inv_t) in 2^32 fixed point (<= 2^32 for v <= mx): sums of these are exact
@@ -310,46 +294,55 @@ __device__ void radix_pick(unsigned long long remaining, SampleShared& sh) {
   __syncthreads();
 }
 
-// The exact sum of `w` over the lanes of `mask` (called by exactly those lanes): the masses
-// (w <= 2^32) in three parts whose 32-lane sums fit 32 bits; counts (w == 1) by a popcount.
-template <bool kMass>
-__device__ __forceinline__ unsigned long long lanes_weight(unsigned mask, unsigned long long w) {
-  if constexpr (kMass) {
-    const unsigned a = __reduce_add_sync(mask, (unsigned)(w & 0xFFFFu));
-    const unsigned b = __reduce_add_sync(mask, (unsigned)((w >> 16) & 0xFFFFu));
-    const unsigned c = __reduce_add_sync(mask, (unsigned)(w >> 32));
-    return (unsigned long long)a + ((unsigned long long)b << 16) + ((unsigned long long)c << 32);
-  } else {
-    return (unsigned long long)__popc(mask);
-  }
-}
-
 // Largest key t with weight(key >= t, key >= floor_key) >= target over the cluster, where
-// weight is 1 per token (counting) or the fixed-point mass exp(l - mx) * 2^32. With `coarse`,
-// a first pass picks the coarse digit (coarse_digit: logit distance below the max, 1/8 wide)
-// where the target is crossed, and the radix passes then see only that digit's ids: on a flat
-// row a key's top bytes are the same for most ids, so without it two or three passes see every
-// id (session 26: ~12-15 us such a pass against < 1 us for a plain read of the slice). The
-// coarse pass adds per lane (one add per warp when all its lanes share a bin); the radix passes
-// merge the lanes of a bin first (__match_any_sync and an exact integer reduction). Four radix
-// passes of 8 bits; each block histograms its slice per warp, the blocks' histograms are summed
-// through the cluster and every block picks the same digit. The result does not depend on
-// `coarse` (the coarse digit only splits the key order into ranges). Called by every thread,
-// outside warp branches.
+// weight is 1 per token (counting) or the fixed-point mass exp(l - mx) * 2^32. Four passes of
+// 8 bits; each block histograms its slice (per-warp histograms, the lanes that hit the same
+// bin merged first: __match_any_sync and an exact integer reduction, so each distinct bin costs
+// one shared atomic per warp step), the blocks' histograms are summed through the cluster and
+// every block picks the same digit. Called by every thread, outside warp branches.
 template <bool kMass>
 __device__ uint32_t cluster_radix(const Slice& s, uint32_t floor_key, float mx,
-                                  unsigned long long target, bool coarse, SampleShared& sh,
-                                  int& ph) {
+                                  unsigned long long target, SampleShared& sh, int& ph) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned long long* whist = reinterpret_cast<unsigned long long*>(smem_raw + kRowCap * 4);
   const cg::cluster_group cl = cg::this_cluster();
   const int nb = (int)cl.num_blocks();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   unsigned long long* my = whist + warp * 256;
-  const uint32_t key_mx = float_key(mx);
+  uint32_t prefix = 0, mask = 0;
   unsigned long long remaining = target;
-  // the warps' histograms summed, the cluster's sum, the digit: sh.sel_digit, sh.sel_rem
-  const auto exchange_pick = [&]() {
+  for (int shift = 24; shift >= 0; shift -= 8) {
+#pragma unroll
+    for (int b = lane; b < 256; b += 32) my[b] = 0ull;
+    __syncwarp();
+    for_slice(s, [&](float v, int, bool in) {
+      bool take = false;
+      uint32_t bin = 0;
+      unsigned long long w = 0;
+      if (in) {
+        const uint32_t key = float_key(v);
+        if ((key & mask) == prefix && key >= floor_key) {
+          w = kMass ? fixed_mass(v, mx, 1.0f) : 1ull;  // <= 2^32
+          take = w != 0;
+          bin = (key >> shift) & 255u;
+        }
+      }
+      const unsigned act = __ballot_sync(0xffffffffu, take);
+      if (take) {
+        const unsigned peers = __match_any_sync(act, bin);
+        unsigned long long total;
+        if constexpr (kMass) {  // w <= 2^32 in three parts whose 32-lane sums fit 32 bits
+          const unsigned a = __reduce_add_sync(peers, (unsigned)(w & 0xFFFFu));
+          const unsigned b = __reduce_add_sync(peers, (unsigned)((w >> 16) & 0xFFFFu));
+          const unsigned c = __reduce_add_sync(peers, (unsigned)(w >> 32));
+          total = (unsigned long long)a + ((unsigned long long)b << 16) +
+                  ((unsigned long long)c << 32);
+        } else {
+          total = (unsigned long long)__popc(peers);
+        }
+        if (lane == __ffs(peers) - 1) atomicAdd(&my[bin], total);
+      }
+    });
     __syncthreads();
     const int p = ph++ & 1;
     if (threadIdx.x < 256) {
@@ -372,71 +365,6 @@ __device__ uint32_t cluster_radix(const Slice& s, uint32_t floor_key, float mx,
     }
     __syncthreads();
     radix_pick(remaining, sh);
-  };
-  const auto weight = [&](float v) -> unsigned long long {
-    return kMass ? fixed_mass(v, mx, 1.0f) : 1ull;  // <= 2^32
-  };
-  // One histogram pass over the slice: an id whose key is at or above floor_key and which
-  // bin_of(key, v) puts in a bin (>= 0) adds its weight to that bin of its warp's histogram.
-  // match: lanes are grouped by bin with __match_any_sync (the radix passes); otherwise the warp
-  // adds once when all its takers share one bin (flat ties) and per lane when they do not.
-  const auto hist_pass = [&](auto bin_of, bool match) {
-#pragma unroll
-    for (int b = lane; b < 256; b += 32) my[b] = 0ull;
-    __syncwarp();
-    for_slice(s, [&](float v, int, bool in) {
-      bool take = false;
-      int bin = -1;
-      unsigned long long w = 0;
-      if (in) {
-        const uint32_t key = float_key(v);
-        if (key >= floor_key) bin = bin_of(key, v);
-        if (bin >= 0) {
-          w = weight(v);
-          take = w != 0;
-        }
-      }
-      const unsigned act = __ballot_sync(0xffffffffu, take);
-      if (match) {
-        if (take) {
-          const unsigned peers = __match_any_sync(act, bin);
-          const unsigned long long total = lanes_weight<kMass>(peers, w);
-          if (lane == __ffs(peers) - 1) atomicAdd(&my[bin], total);
-        }
-        return;
-      }
-      if (act == 0) return;  // warp-uniform
-      const int leader = __ffs(act) - 1;
-      const int lead_bin = __shfl_sync(0xffffffffu, bin, leader);
-      if (__all_sync(0xffffffffu, !take || bin == lead_bin)) {  // one bin: one add
-        if (take) {
-          const unsigned long long total = lanes_weight<kMass>(act, w);
-          if (lane == leader) atomicAdd(&my[lead_bin], total);
-        }
-      } else if (take) {
-        atomicAdd(&my[bin], w);
-      }
-    });
-    exchange_pick();
-  };
-  uint32_t cdigit = 0;
-  if (coarse) {
-    hist_pass([&](uint32_t key, float v) { return (int)coarse_digit(key, key_mx, v, mx); },
-              false);
-    cdigit = (uint32_t)sh.sel_digit;
-    remaining = sh.sel_rem;
-    __syncthreads();  // sh.sel_* and sh.tot are rewritten by the next pass
-  }
-  uint32_t prefix = 0, mask = 0;
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    hist_pass(
-        [&](uint32_t key, float v) {
-          return (key & mask) == prefix &&
-                         (!coarse || coarse_digit(key, key_mx, v, mx) == cdigit)
-                     ? (int)((key >> shift) & 255u)
-                     : -1;
-        },
-        true);
     prefix |= (uint32_t)sh.sel_digit << shift;
     mask |= 255u << shift;
     remaining = sh.sel_rem;
@@ -563,7 +491,7 @@ __device__ __forceinline__ uint32_t sample_body(
   // 3. top-k
   uint32_t floor_key = 0;
   if (top_k > 0 && top_k < V) {
-    floor_key = cluster_radix<false>(s, 0u, mx, (unsigned long long)top_k, true, sh, ph);
+    floor_key = cluster_radix<false>(s, 0u, mx, (unsigned long long)top_k, sh, ph);
     ran |= kPathTopK;
   }
   // 4. top-p over the softmax of the top-k survivors (z == 0: +inf or NaN maxima, no masses)
@@ -575,8 +503,7 @@ __device__ __forceinline__ uint32_t sample_body(
     cluster_sum(block_sum_u64(z, sh), sh, ph);
     z = sh.all_sum;
     if (z > 0) {
-      const bool coarse = !(top_k > 0 && top_k <= kCoarseAfterTopK);
-      floor_key = cluster_radix<true>(s, floor_key, mx, top_p_target(top_p, z), coarse, sh, ph);
+      floor_key = cluster_radix<true>(s, floor_key, mx, top_p_target(top_p, z), sh, ph);
       ran |= kPathTopP;
     }
   }
@@ -610,37 +537,22 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
   cluster_sync();
 }
 
-// The launch of one cluster of n sample_kernel blocks: the cluster attribute first, then PDL.
-// The occupancy query uses the first attribute only (numAttrs 1), the launch both. Not copyable:
-// cfg.attrs points into the object.
-struct SampleLaunch {
-  cudaLaunchAttribute attrs[2];
-  cudaLaunchConfig_t cfg = {};
-  SampleLaunch(int n, cudaStream_t stream, bool pdl) {
-    cfg.gridDim = dim3(n);
-    cfg.blockDim = dim3(kSampleThreads);
-    cfg.dynamicSmemBytes = kSampleSmemBytes;
-    cfg.stream = stream;
-    attrs[0].id = cudaLaunchAttributeClusterDimension;
-    attrs[0].val.clusterDim.x = n;
-    attrs[0].val.clusterDim.y = 1;
-    attrs[0].val.clusterDim.z = 1;
-    attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[1].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
-    cfg.attrs = attrs;
-    cfg.numAttrs = 2;
-  }
-  SampleLaunch(const SampleLaunch&) = delete;
-  SampleLaunch& operator=(const SampleLaunch&) = delete;
-};
-
 // The largest cluster of sample_kernel blocks (16, 8, 4, 2 or 1) this GPU can run at once.
 static int max_sample_blocks() {
   for (int n = kMaxSampleBlocks; n > 1; n >>= 1) {
-    SampleLaunch l(n, nullptr, false);
-    l.cfg.numAttrs = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(n);
+    cfg.blockDim = dim3(kSampleThreads);
+    cfg.dynamicSmemBytes = kSampleSmemBytes;
+    cudaLaunchAttribute a[1];
+    a[0].id = cudaLaunchAttributeClusterDimension;
+    a[0].val.clusterDim.x = n;
+    a[0].val.clusterDim.y = 1;
+    a[0].val.clusterDim.z = 1;
+    cfg.attrs = a;
+    cfg.numAttrs = 1;
     int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, sample_kernel, &l.cfg) == cudaSuccess &&
+    if (cudaOccupancyMaxActiveClusters(&clusters, sample_kernel, &cfg) == cudaSuccess &&
         clusters > 0)
       return n;
     (void)cudaGetLastError();  // not sticky
@@ -681,8 +593,21 @@ cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, i
   }();
   const int n = blocks > 0 ? blocks
                            : max(1, min(auto_blocks, (V + kIdsPerBlockMin - 1) / kIdsPerBlockMin));
-  SampleLaunch l(n, stream, pdl_enabled());
-  cudaError_t e = cudaLaunchKernelEx(&l.cfg, sample_kernel, out_token, work, logits, V, ctx_tokens,
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(n);
+  cfg.blockDim = dim3(kSampleThreads);
+  cfg.dynamicSmemBytes = kSampleSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute a[2];
+  a[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a[0].val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
+  a[1].id = cudaLaunchAttributeClusterDimension;
+  a[1].val.clusterDim.x = n;
+  a[1].val.clusterDim.y = 1;
+  a[1].val.clusterDim.z = 1;
+  cfg.attrs = a;
+  cfg.numAttrs = 2;
+  cudaError_t e = cudaLaunchKernelEx(&cfg, sample_kernel, out_token, work, logits, V, ctx_tokens,
                                      ctx_capacity, pos, params_f, params_i, counter, path);
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e == cudaSuccess) return e;
