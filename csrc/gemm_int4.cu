@@ -357,7 +357,7 @@ __global__ void __launch_bounds__(WR * WT * 32) gemm_int4_kernel(const GArgs a) 
 #define NQ_ACC64(i) NQ_ACC32(i), NQ_ACC32(i + 32)
 // d (+)= A . B, wgmma m64nNk16, f32 += f16 x f16, A from registers (K-major), B K-major from
 // shared memory by descriptor (no transpose); scale-d 1 (accumulate), scales of A and B 1
-// (one specialization a block width N; the product's: 128; lab/gemm_w4_wgmma.cu adds others)
+// (one specialization a block width N; the product's: 128 and 256; lab/gemm_w4_wgmma.cu adds 64)
 template <int N>
 __device__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc);
 template <>
@@ -370,6 +370,22 @@ __device__ __forceinline__ void wgmma_rs<128>(float (&d)[64], const uint32_t (&a
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
       "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
       : NQ_ACC64(0)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<256>(float (&d)[128], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, {%128, %129, %130, %131}, %132, 1, 1, 1, 0;"
+      : NQ_ACC64(0), NQ_ACC64(64)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
@@ -747,14 +763,37 @@ auto with_shape(int m, F&& f) {
   return f(Long{});
 }
 
-// From kWgmmaMinM tokens on the wgmma kernel (no split-K: its 256-row x 128-token tiles fill
-// the card from there), below it the mma.sync shapes above.
+// From kWgmmaMinM tokens on the wgmma kernel (no split-K), below it the mma.sync shapes above.
+// Its block shape by epilogue and m: the fastest of 6 per 7B projection on an H100
+// (lab/gemm_w4_wgmma.py, RESULTS.md session 22; us at m = 127 / 512 / 2048): qkv (store)
+// 128 x 128 no drain 41.8 below 256, 128 x 256 67.8 / 198.9 from there; o and down (residual)
+// 128 x 128 no drain (43.6 and 201.5 at 512), 128 x 256 from 1024 (143.7 and 617.1 at 2048);
+// gate/up (SiLU) 128 x 128 127.8 below 256, 128 x 256 332.3 to 1023, 256 x 128 no drain
+// 1231.9 from 1024.
 constexpr int kWgmmaMinM = 128;
-using WgLong = WgShape<2, 2, 128, 4>;   // 256 rows x 128 tokens, 4 stages, 197 KB
+using WgSmall = WgShape<2, 1, 128, 5, false>;   // 128 rows x 128 tokens, no drain, 206 KB
+using WgSmallD = WgShape<2, 1, 128, 4>;         // 128 x 128, 165 KB
+using WgWide = WgShape<2, 1, 256, 3>;           // 128 rows x 256 tokens, 223 KB
+using WgTall = WgShape<2, 2, 128, 4, false>;    // 256 rows x 128 tokens, no drain, 197 KB
+
+template <int OP>
+cudaError_t wg_run(const char* fn, const GArgs& a, cudaStream_t stream) {
+  if constexpr (OP == OP_SILU) {
+    if (a.m < 256) return wg_launch<WgSmallD, OP>(fn, a, stream);
+    if (a.m < 1024) return wg_launch<WgWide, OP>(fn, a, stream);
+    return wg_launch<WgTall, OP>(fn, a, stream);
+  } else if constexpr (OP == OP_STORE) {
+    if (a.m < 256) return wg_launch<WgSmall, OP>(fn, a, stream);
+    return wg_launch<WgWide, OP>(fn, a, stream);
+  } else {
+    if (a.m < 1024) return wg_launch<WgSmall, OP>(fn, a, stream);
+    return wg_launch<WgWide, OP>(fn, a, stream);
+  }
+}
 
 template <int OP>
 cudaError_t run(const char* fn, const GArgs& a, const GemmScratch* scratch, cudaStream_t stream) {
-  if (a.m >= kWgmmaMinM) return wg_launch<WgLong, OP>(fn, a, stream);
+  if (a.m >= kWgmmaMinM) return wg_run<OP>(fn, a, stream);
   return with_shape<OP>(a.m, [&](auto sh) {
     return launch<decltype(sh), OP>(fn, a, scratch, stream);
   });

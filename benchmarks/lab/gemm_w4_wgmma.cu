@@ -2,7 +2,7 @@
 // same code, not a copy) at other block shapes, for benchmarks/lab/gemm_w4_wgmma.py to check
 // against fp32 math and time against the product's shape, cuBLAS on the resident fp16 weights,
 // dequant + cuBLAS and the mma.sync gemm_int4. Not launched by the engine. The product's kernel
-// takes wgmma m64n128k16; the widths 64 and 256 the variants below use are specialized here.
+// takes wgmma m64n128k16 and m64n256k16; the width 64 a variant below uses is specialized here.
 #include "gemm_int4.cu"
 
 namespace nanoqwen {
@@ -16,22 +16,6 @@ __device__ __forceinline__ void wgmma_rs<64>(float (&d)[32], const uint32_t (&a)
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
       "}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
       : NQ_ACC32(0)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
-}
-template <>
-__device__ __forceinline__ void wgmma_rs<256>(float (&d)[128], const uint32_t (&a)[4], uint64_t desc) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, {%128, %129, %130, %131}, %132, 1, 1, 1, 0;"
-      : NQ_ACC64(0), NQ_ACC64(64)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
