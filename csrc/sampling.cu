@@ -44,11 +44,15 @@ constexpr int kSampleWarps = kSampleThreads / 32;
 constexpr int kMaxSampleBlocks = 16;  // the largest cluster Hopper schedules (non-portable)
 // floats of its slice a block keeps in shared memory: 80 KB, so 8 blocks hold Qwen's 152064
 constexpr int kRowCap = 20480;
-// the radix passes' per-warp histograms, after the row in the dynamic buffer
-constexpr int kWarpHistWords = kSampleWarps * 256;
-// 112 KB of dynamic shared memory (+ ~6 KB static): one block an SM, so a cluster's blocks
+// the radix passes' per-warp histograms, after the row in the dynamic buffer: 256 bins of
+// three 32-bit words (a mass's parts; counts use the first) a warp
+constexpr int kWarpHistWords = kSampleWarps * 256 * 3;
+// 128 KB of dynamic shared memory (+ ~6 KB static): one block an SM, so a cluster's blocks
 // run on as many SMs
-constexpr int kSampleSmemBytes = kRowCap * 4 + kWarpHistWords * 8;
+constexpr int kSampleSmemBytes = kRowCap * 4 + kWarpHistWords * 4;
+// the largest vocabulary: a warp then sees at most 32 * ceil((2^19 + 3) / 512) = 32800 ids, so
+// a histogram word (at most that many adds of < 2^16) stays below 2^32 (cluster_radix)
+constexpr int kMaxSampleVocab = 1 << 19;
 // the automatic block count: one block per this many ids, at least 1 (small vocabularies)
 constexpr int kIdsPerBlockMin = 2048;
 
@@ -296,59 +300,69 @@ __device__ void radix_pick(unsigned long long remaining, SampleShared& sh) {
 
 // Largest key t with weight(key >= t, key >= floor_key) >= target over the cluster, where
 // weight is 1 per token (counting) or the fixed-point mass exp(l - mx) * 2^32. Four passes of
-// 8 bits; each block histograms its slice (per-warp histograms, the lanes that hit the same
-// bin merged first: __match_any_sync and an exact integer reduction, so each distinct bin costs
-// one shared atomic per warp step), the blocks' histograms are summed through the cluster and
-// every block picks the same digit. Called by every thread, outside warp branches.
+// 8 bits; each block histograms its slice, the blocks' histograms are summed through the
+// cluster and every block picks the same digit. Called by every thread, outside warp branches.
+// A block's histogram is the sum of per-warp ones of 32-bit words: counts, or a mass cut into
+// three parts (bits 0-15, 16-31, 32-) so that each part's word stays below 2^32 (a warp sees
+// at most 32800 ids: V <= kMaxSampleVocab). Each lane merges its run of ids that fall in
+// the same bin in a register and adds the run with plain 32-bit shared atomics (whose result
+// nothing waits for) when the bin changes: the first pass, where most ids share a digit, adds
+// about once per lane, later passes about once per taken id. Every sum is an exact integer, so
+// the histogram, and the token, are the same as any other order of the additions gives.
 template <bool kMass>
 __device__ uint32_t cluster_radix(const Slice& s, uint32_t floor_key, float mx,
                                   unsigned long long target, SampleShared& sh, int& ph) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned long long* whist = reinterpret_cast<unsigned long long*>(smem_raw + kRowCap * 4);
+  constexpr int kParts = kMass ? 3 : 1;
+  unsigned* whist = reinterpret_cast<unsigned*>(smem_raw + kRowCap * 4);
   const cg::cluster_group cl = cg::this_cluster();
   const int nb = (int)cl.num_blocks();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  unsigned long long* my = whist + warp * 256;
+  unsigned* my = whist + warp * (256 * kParts);  // part q of bin b at my[q * 256 + b]
   uint32_t prefix = 0, mask = 0;
   unsigned long long remaining = target;
   for (int shift = 24; shift >= 0; shift -= 8) {
 #pragma unroll
-    for (int b = lane; b < 256; b += 32) my[b] = 0ull;
+    for (int b = lane; b < 256 * kParts; b += 32) my[b] = 0u;
     __syncwarp();
+    uint32_t run_bin = 0;
+    unsigned long long run = 0;  // this lane's weight of run_bin not yet added
+    const auto flush = [&]() {
+      if (run == 0) return;
+      if constexpr (kMass) {
+        atomicAdd(&my[run_bin], (unsigned)(run & 0xFFFFu));
+        atomicAdd(&my[256 + run_bin], (unsigned)((run >> 16) & 0xFFFFu));
+        atomicAdd(&my[512 + run_bin], (unsigned)(run >> 32));
+      } else {
+        atomicAdd(&my[run_bin], (unsigned)run);
+      }
+    };
     for_slice(s, [&](float v, int, bool in) {
-      bool take = false;
-      uint32_t bin = 0;
-      unsigned long long w = 0;
-      if (in) {
-        const uint32_t key = float_key(v);
-        if ((key & mask) == prefix && key >= floor_key) {
-          w = kMass ? fixed_mass(v, mx, 1.0f) : 1ull;  // <= 2^32
-          take = w != 0;
-          bin = (key >> shift) & 255u;
-        }
+      if (!in) return;
+      const uint32_t key = float_key(v);
+      if ((key & mask) != prefix || key < floor_key) return;
+      const unsigned long long w = kMass ? fixed_mass(v, mx, 1.0f) : 1ull;  // <= 2^32
+      if (w == 0) return;  // below 2^-32 of the max: no mass
+      const uint32_t bin = (key >> shift) & 255u;
+      if (bin != run_bin) {
+        flush();
+        run_bin = bin;
+        run = 0;
       }
-      const unsigned act = __ballot_sync(0xffffffffu, take);
-      if (take) {
-        const unsigned peers = __match_any_sync(act, bin);
-        unsigned long long total;
-        if constexpr (kMass) {  // w <= 2^32 in three parts whose 32-lane sums fit 32 bits
-          const unsigned a = __reduce_add_sync(peers, (unsigned)(w & 0xFFFFu));
-          const unsigned b = __reduce_add_sync(peers, (unsigned)((w >> 16) & 0xFFFFu));
-          const unsigned c = __reduce_add_sync(peers, (unsigned)(w >> 32));
-          total = (unsigned long long)a + ((unsigned long long)b << 16) +
-                  ((unsigned long long)c << 32);
-        } else {
-          total = (unsigned long long)__popc(peers);
-        }
-        if (lane == __ffs(peers) - 1) atomicAdd(&my[bin], total);
-      }
+      run += w;
     });
+    flush();
     __syncthreads();
     const int p = ph++ & 1;
     if (threadIdx.x < 256) {
       unsigned long long t = 0;
 #pragma unroll
-      for (int w = 0; w < kSampleWarps; ++w) t += whist[w * 256 + threadIdx.x];
+      for (int w = 0; w < kSampleWarps; ++w) {
+        const unsigned* h = whist + w * (256 * kParts) + threadIdx.x;
+        t += kMass ? (unsigned long long)h[0] + ((unsigned long long)h[256] << 16) +
+                         ((unsigned long long)h[512] << 32)
+                   : (unsigned long long)h[0];
+      }
       sh.hist_x[p][threadIdx.x] = t;
     }
     cluster_sync();
@@ -567,6 +581,9 @@ cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, i
   if (V <= 0 || ctx_capacity <= 0)
     return nq_fail(cudaErrorInvalidValue, "sample_token: V=%d and ctx_capacity=%d must be >= 1", V,
                    ctx_capacity);
+  if (V > kMaxSampleVocab)
+    return nq_fail(cudaErrorInvalidValue, "sample_token: V=%d is above the largest vocabulary "
+                   "the sampler's histograms hold (%d)", V, kMaxSampleVocab);
   if (blocks < 0 || blocks > kMaxSampleBlocks)
     return nq_fail(cudaErrorInvalidValue, "sample_token: blocks=%d must be 0 (automatic) .. %d",
                    blocks, kMaxSampleBlocks);

@@ -402,6 +402,36 @@ def test_bad_block_count_is_refused(gen, blocks):
     assert out.item() == -7
 
 
+def test_largest_vocabulary_draws_the_same_token(gen):
+    """At the largest vocabulary the sampler takes (2^19: csrc/sampling.cu kMaxSampleVocab) one
+    block's warps see the most ids, so its 32-bit histogram words come closest to 2^32 (flat
+    rows: every id taken, a mass part added per id in the later passes). The cluster and one
+    block draw the same tokens, inside the reference's kept set; one id more is refused
+    before anything is launched."""
+    from nanoqwen.engine.sampling import SamplerParams, _candidates
+
+    V = 1 << 19
+    for kind in ("flat", "peaked"):
+        logits = make_logits(kind, V, gen)
+        for top_k, top_p in [(0, 0.9), (1000, 1.0), (50000, 0.95)]:
+            st = state(V, top_k, top_p, 0.0)
+            got = draws(logits, st, range(8))
+            one = draws(logits, st, range(8), blocks=1)
+            assert got == one, (kind, top_k, top_p, got, one)
+            _, ids = _candidates(logits.cpu(), SamplerParams(temperature=0.8, top_k=top_k,
+                                                             top_p=top_p, min_p=0.0))
+            kept = set(ids.tolist())
+            assert all(t in kept for t in got), (kind, top_k, top_p, got, len(kept))
+    logits = make_logits("flat", V + 1, gen)
+    pf, pi, ctx, pos = state(V + 1, 0, 0.9, 0.0)
+    out = torch.full((1,), -7, dtype=torch.int32, device="cuda")
+    c = torch.zeros(1, dtype=torch.int64, device="cuda")
+    with pytest.raises(RuntimeError, match="largest vocabulary"):
+        ops().sample_token(out, torch.empty_like(logits), logits, ctx, pos, pf, pi, c)
+    torch.cuda.synchronize()
+    assert out.item() == -7
+
+
 @pytest.mark.parametrize("bad, names", [
     (lambda: torch.zeros(1, dtype=torch.int64, device="cuda"), "path"),     # dtype
     (lambda: torch.zeros(2, dtype=torch.int32, device="cuda"), "path"),     # shape
