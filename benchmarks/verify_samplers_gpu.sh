@@ -13,6 +13,9 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=16 NANOQWEN_COMMIT
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 S=$(date +%s)
 t() { echo "[$(( $(date +%s) - S ))s] == $*"; }
+if [ "${OLD:-0}" = 1 ] && [ ! -s out/sampler_old.patch ]; then  # session 28 lost its A/B to this
+  echo "OLD=1 needs out/sampler_old.patch (carry out): nothing run"; exit 2
+fi
 {
 . benchmarks/device_setup.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
