@@ -133,83 +133,6 @@ __device__ __forceinline__ const T& remote(T& x, int rank) {
   return *cg::this_cluster().map_shared_rank(&x, (unsigned)rank);
 }
 
-// The radix histograms: 256 bins of 32-bit words a warp, after the row in the dynamic buffer,
-// part q of bin b at [q * 256 + b]: counts in one part, a mass in three (bits 0-15, 16-31 and
-// 32-), so that no word reaches 2^32 (a warp sees at most 32800 ids: kMaxSampleVocab).
-// This warp's words, zeroed. Called by every lane of the warp.
-template <bool kMass>
-__device__ unsigned* warp_hist_zeroed() {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  constexpr int kParts = kMass ? 3 : 1;
-  unsigned* my = reinterpret_cast<unsigned*>(smem_raw + kRowCap * 4) +
-                 (threadIdx.x >> 5) * (256 * kParts);
-#pragma unroll
-  for (int b = threadIdx.x & 31; b < 256 * kParts; b += 32) my[b] = 0u;
-  __syncwarp();
-  return my;
-}
-
-// A lane's run of ids in one bin: merged in a register and added to its warp's words with plain
-// 32-bit shared atomics (whose result nothing waits for) when the bin changes, and at flush().
-// A pass where most ids share a bin adds about once per lane. Every sum is an exact integer,
-// so the histogram does not depend on the order of the additions.
-template <bool kMass>
-struct BinRun {
-  unsigned* my;
-  uint32_t bin = 0;
-  unsigned long long run = 0;  // the weight of `bin` not yet added
-  __device__ void flush() {
-    if (run == 0) return;
-    if constexpr (kMass) {
-      atomicAdd(&my[bin], (unsigned)(run & 0xFFFFu));
-      atomicAdd(&my[256 + bin], (unsigned)((run >> 16) & 0xFFFFu));
-      atomicAdd(&my[512 + bin], (unsigned)(run >> 32));
-    } else {
-      atomicAdd(&my[bin], (unsigned)run);
-    }
-  }
-  __device__ void add(uint32_t b, unsigned long long w) {
-    if (b != bin) {
-      flush();
-      bin = b;
-      run = 0;
-    }
-    run += w;
-  }
-};
-
-// The block's histogram (its warps' words summed) into sh.hist_x[p], by threads 0..255; after
-// a block barrier that follows every lane's flush().
-template <bool kMass>
-__device__ void publish_hist(SampleShared& sh, int p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  constexpr int kParts = kMass ? 3 : 1;
-  const unsigned* whist = reinterpret_cast<const unsigned*>(smem_raw + kRowCap * 4);
-  if (threadIdx.x < 256) {
-    unsigned long long t = 0;
-#pragma unroll
-    for (int w = 0; w < kSampleWarps; ++w) {
-      const unsigned* h = whist + w * (256 * kParts) + threadIdx.x;
-      t += kMass ? (unsigned long long)h[0] + ((unsigned long long)h[256] << 16) +
-                       ((unsigned long long)h[512] << 32)
-                 : (unsigned long long)h[0];
-    }
-    sh.hist_x[p][threadIdx.x] = t;
-  }
-}
-
-// After the cluster barrier that follows every block's publish_hist(p): sh.tot = the cluster's
-// histogram, by threads 0..255 (the caller's block barrier publishes it).
-__device__ void gather_hist(SampleShared& sh, int p, int nb) {
-  if (threadIdx.x < 256) {
-    unsigned long long t = 0;
-#pragma unroll
-    for (int r = 0; r < kMaxSampleBlocks; ++r)
-      if (r < nb) t += remote(sh.hist_x[p][threadIdx.x], r);
-    sh.tot[threadIdx.x] = t;
-  }
-}
-
 // Block-wide uint64 sum (all threads get it). Called by every thread, outside warp branches.
 __device__ unsigned long long block_sum_u64(unsigned long long v, SampleShared& sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -253,20 +176,14 @@ __device__ unsigned long long block_excl_scan_u64(unsigned long long mine, Sampl
 }
 
 // The cluster's sum of every block's `block_total` (sh.all_sum) and the sum over the blocks of
-// lower rank (sh.below_sum); kHist: the same exchange also sums the warps' histogram words
-// into sh.tot (the first radix pass, made in the loop that computed block_total; a block
-// barrier, as block_sum_u64's, must follow the flushes). Called by every thread of every
-// block, outside warp branches.
-template <bool kHist = false, bool kMass = false>
+// lower rank (sh.below_sum). Called by every thread of every block, outside warp branches.
 __device__ void cluster_sum(unsigned long long block_total, SampleShared& sh, int& ph) {
   const cg::cluster_group cl = cg::this_cluster();
   const int nb = (int)cl.num_blocks(), me = (int)cl.block_rank();
   const int lane = threadIdx.x & 31;
   const int p = ph++ & 1;
   if (threadIdx.x == 0) sh.sum_x[p] = block_total;
-  if constexpr (kHist) publish_hist<kMass>(sh, p);
   cluster_sync();
-  if constexpr (kHist) gather_hist(sh, p, nb);
   if (threadIdx.x < 32) {
     const unsigned long long v = lane < nb ? remote(sh.sum_x[p], lane) : 0ull;
     unsigned long long all = v, below = lane < me ? v : 0ull;
@@ -305,23 +222,17 @@ __device__ __forceinline__ void for_slice(const Slice& s, F&& f) {
 }
 
 // Argmax over the cluster (lowest id on ties; all -inf or NaN: id 0) into sh.max_val /
-// sh.max_idx of every block; kHist: also top-k's first radix pass (counts of every id's key's
-// top byte) into sh.tot, in the same loop and exchange. Called by every thread, outside warp
-// branches.
-template <bool kHist>
+// sh.max_idx of every block. Called by every thread, outside warp branches.
 __device__ void cluster_argmax(const Slice& s, SampleShared& sh, int& ph) {
   const cg::cluster_group cl = cg::this_cluster();
   const int nb = (int)cl.num_blocks();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float bv = -CUDART_INF_F;
   int bi = 0x7fffffff;
-  BinRun<false> h{kHist ? warp_hist_zeroed<false>() : nullptr};
   // each thread visits its ids in ascending order and only a strictly larger value replaces
   for_slice(s, [&](float v, int j, bool in) {
     if (in && v > bv) { bv = v; bi = s.c0 + j; }
-    if (kHist && in) h.add(float_key(v) >> 24, 1ull);
   });
-  if constexpr (kHist) h.flush();
   const auto merge = [&](float ov, int oi) {
     if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
   };
@@ -339,9 +250,7 @@ __device__ void cluster_argmax(const Slice& s, SampleShared& sh, int& ph) {
       merge(__shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
     if (lane == 0) { sh.max_x[p] = bv; sh.idx_x[p] = bi; }
   }
-  if constexpr (kHist) publish_hist<false>(sh, p);
   cluster_sync();
-  if constexpr (kHist) gather_hist(sh, p, nb);
   if (warp == 0) {
     bv = lane < nb ? remote(sh.max_x[p], lane) : -CUDART_INF_F;
     bi = lane < nb ? remote(sh.idx_x[p], lane) : 0x7fffffff;
@@ -391,37 +300,78 @@ __device__ void radix_pick(unsigned long long remaining, SampleShared& sh) {
 
 // Largest key t with weight(key >= t, key >= floor_key) >= target over the cluster, where
 // weight is 1 per token (counting) or the fixed-point mass exp(l - mx) * 2^32. Four passes of
-// 8 bits; each block histograms its slice (BinRun), the blocks' histograms are summed through
-// the cluster and every block picks the same digit. first_in_tot: sh.tot already holds the
-// first pass's histogram (made in the caller's loop before: cluster_argmax<true>, or top-p's
-// mass sum), so that pass is skipped. Called by every thread, outside warp branches.
-// Barriers: a pass's digit is read by every thread after radix_pick's barrier, and sh.sel_* and
-// sh.tot are next written after the next pass's block and cluster barriers, which every thread
-// reaches after those reads; so no barrier ends a pass.
+// 8 bits; each block histograms its slice, the blocks' histograms are summed through the
+// cluster and every block picks the same digit. Called by every thread, outside warp branches.
+// A block's histogram is the sum of per-warp ones of 32-bit words: counts, or a mass cut into
+// three parts (bits 0-15, 16-31, 32-) so that each part's word stays below 2^32 (a warp sees
+// at most 32800 ids: V <= kMaxSampleVocab). Each lane merges its run of ids that fall in
+// the same bin in a register and adds the run with plain 32-bit shared atomics (whose result
+// nothing waits for) when the bin changes: the first pass, where most ids share a digit, adds
+// about once per lane, later passes about once per taken id. Every sum is an exact integer, so
+// the histogram, and the token, are the same as any other order of the additions gives.
 template <bool kMass>
 __device__ uint32_t cluster_radix(const Slice& s, uint32_t floor_key, float mx,
-                                  unsigned long long target, bool first_in_tot, SampleShared& sh,
-                                  int& ph) {
-  const int nb = (int)cg::this_cluster().num_blocks();
+                                  unsigned long long target, SampleShared& sh, int& ph) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr int kParts = kMass ? 3 : 1;
+  unsigned* whist = reinterpret_cast<unsigned*>(smem_raw + kRowCap * 4);
+  const cg::cluster_group cl = cg::this_cluster();
+  const int nb = (int)cl.num_blocks();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  unsigned* my = whist + warp * (256 * kParts);  // part q of bin b at my[q * 256 + b]
   uint32_t prefix = 0, mask = 0;
   unsigned long long remaining = target;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    if (shift != 24 || !first_in_tot) {
-      BinRun<kMass> h{warp_hist_zeroed<kMass>()};
-      for_slice(s, [&](float v, int, bool in) {
-        if (!in) return;
-        const uint32_t key = float_key(v);
-        if ((key & mask) != prefix || key < floor_key) return;
-        const unsigned long long w = kMass ? fixed_mass(v, mx, 1.0f) : 1ull;  // <= 2^32
-        if (w == 0) return;  // below 2^-32 of the max: no mass
-        h.add((key >> shift) & 255u, w);
-      });
-      h.flush();
-      __syncthreads();
-      const int p = ph++ & 1;
-      publish_hist<kMass>(sh, p);
-      cluster_sync();
-      gather_hist(sh, p, nb);
+#pragma unroll
+    for (int b = lane; b < 256 * kParts; b += 32) my[b] = 0u;
+    __syncwarp();
+    uint32_t run_bin = 0;
+    unsigned long long run = 0;  // this lane's weight of run_bin not yet added
+    const auto flush = [&]() {
+      if (run == 0) return;
+      if constexpr (kMass) {
+        atomicAdd(&my[run_bin], (unsigned)(run & 0xFFFFu));
+        atomicAdd(&my[256 + run_bin], (unsigned)((run >> 16) & 0xFFFFu));
+        atomicAdd(&my[512 + run_bin], (unsigned)(run >> 32));
+      } else {
+        atomicAdd(&my[run_bin], (unsigned)run);
+      }
+    };
+    for_slice(s, [&](float v, int, bool in) {
+      if (!in) return;
+      const uint32_t key = float_key(v);
+      if ((key & mask) != prefix || key < floor_key) return;
+      const unsigned long long w = kMass ? fixed_mass(v, mx, 1.0f) : 1ull;  // <= 2^32
+      if (w == 0) return;  // below 2^-32 of the max: no mass
+      const uint32_t bin = (key >> shift) & 255u;
+      if (bin != run_bin) {
+        flush();
+        run_bin = bin;
+        run = 0;
+      }
+      run += w;
+    });
+    flush();
+    __syncthreads();
+    const int p = ph++ & 1;
+    if (threadIdx.x < 256) {
+      unsigned long long t = 0;
+#pragma unroll
+      for (int w = 0; w < kSampleWarps; ++w) {
+        const unsigned* h = whist + w * (256 * kParts) + threadIdx.x;
+        t += kMass ? (unsigned long long)h[0] + ((unsigned long long)h[256] << 16) +
+                         ((unsigned long long)h[512] << 32)
+                   : (unsigned long long)h[0];
+      }
+      sh.hist_x[p][threadIdx.x] = t;
+    }
+    cluster_sync();
+    if (threadIdx.x < 256) {
+      unsigned long long t = 0;
+#pragma unroll
+      for (int r = 0; r < kMaxSampleBlocks; ++r)
+        if (r < nb) t += remote(sh.hist_x[p][threadIdx.x], r);
+      sh.tot[threadIdx.x] = t;
     }
     if (threadIdx.x == 0) {
       sh.sel_digit = 0;
@@ -432,6 +382,7 @@ __device__ uint32_t cluster_radix(const Slice& s, uint32_t floor_key, float mx,
     prefix |= (uint32_t)sh.sel_digit << shift;
     mask |= 255u << shift;
     remaining = sh.sel_rem;
+    __syncthreads();  // sh.sel_* and sh.tot are rewritten by the next pass
   }
   return prefix;
 }
@@ -543,12 +494,8 @@ __device__ __forceinline__ uint32_t sample_body(
   }
   s.row = dst != nullptr ? dst : logits + s.c0;
 
-  // 2. greedy (with top-k's first radix pass in the same loop and exchange when it runs)
-  const bool top_k_runs = temperature > 0.f && top_k > 0 && top_k < V;
-  if (top_k_runs)
-    cluster_argmax<true>(s, sh, ph);
-  else
-    cluster_argmax<false>(s, sh, ph);
+  // 2. greedy
+  cluster_argmax(s, sh, ph);
   const float mx = sh.max_val;
   if (temperature <= 0.f) {
     if (me == 0 && threadIdx.x == 0) out_token[0] = sh.max_idx;
@@ -557,28 +504,20 @@ __device__ __forceinline__ uint32_t sample_body(
   uint32_t ran = 0;
   // 3. top-k
   uint32_t floor_key = 0;
-  if (top_k_runs) {
-    floor_key = cluster_radix<false>(s, 0u, mx, (unsigned long long)top_k, true, sh, ph);
+  if (top_k > 0 && top_k < V) {
+    floor_key = cluster_radix<false>(s, 0u, mx, (unsigned long long)top_k, sh, ph);
     ran |= kPathTopK;
   }
-  // 4. top-p over the softmax of the top-k survivors (z == 0: +inf or NaN maxima, no masses);
-  // the loop that sums z also makes the first radix pass over the same masses
+  // 4. top-p over the softmax of the top-k survivors (z == 0: +inf or NaN maxima, no masses)
   if (top_p < 1.0f) {
     unsigned long long z = 0;
-    BinRun<true> h{warp_hist_zeroed<true>()};
     for_slice(s, [&](float v, int, bool in) {
-      if (!in) return;
-      const uint32_t key = float_key(v);
-      if (key < floor_key) return;
-      const unsigned long long w = fixed_mass(v, mx, 1.0f);
-      z += w;
-      if (w != 0) h.add(key >> 24, w);
+      if (in && float_key(v) >= floor_key) z += fixed_mass(v, mx, 1.0f);
     });
-    h.flush();
-    cluster_sum<true, true>(block_sum_u64(z, sh), sh, ph);
+    cluster_sum(block_sum_u64(z, sh), sh, ph);
     z = sh.all_sum;
     if (z > 0) {
-      floor_key = cluster_radix<true>(s, floor_key, mx, top_p_target(top_p, z), true, sh, ph);
+      floor_key = cluster_radix<true>(s, floor_key, mx, top_p_target(top_p, z), sh, ph);
       ran |= kPathTopP;
     }
   }
