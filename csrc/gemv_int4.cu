@@ -239,7 +239,8 @@ constexpr long long tca_smem_bytes(long long k, int nm, int ks, int s, int gps, 
 // columns (the verify step), columns >= nc fed zeros, each lane reading its column's x from
 // global memory (L1/L2). A block's x is then nc*k*2 bytes, too much to stage for down_proj;
 // staging it whole where it fits, copying it by cp.async in a ring beside the weights', or
-// loading a stage's x at the stage's start all measured slower (RESULTS.md, session 15).
+// loading a stage's x at the stage's start all measured slower (RESULTS.md, session 15); loading
+// it one stage ahead into registers is faster (kPrefetchX below, session 29).
 template <int NM, int KS, int S, int GPS, int OP, int NT>
 __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca_kernel(const Args a) {
   static_assert(S >= 2 && (GPS == 1 || GPS == 2 || GPS == 4), "ring shape");
@@ -315,6 +316,24 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
                    ? reinterpret_cast<const uint4*>(a.x) + (size_t)(nt * 8 + g) * (a.k >> 3) + 4 * t
                    : nullptr;
 
+  // NT == 1 (2..8 columns): a stage's x is loaded one stage ahead into registers (xn), so its
+  // L1/L2 latency overlaps the ring wait and the previous stage's math instead of stalling each
+  // group's mma (H100, 7B: gate/up at 2 / 8 columns 34.2 -> 31.2 / 38.8 -> 33.6 us, t(4) -0.12
+  // ms; RESULTS.md, session 29). Not for KS = 8 (down_proj): its 106 registers fit 2 blocks of
+  // 256 threads an SM instead of 3 (14.8 against 13.2 us at 2 columns); NT = 2 would spill.
+  constexpr bool kPrefetchX = NT == 1 && KS < 8;
+  uint4 xn[kPrefetchX ? GPS : 1][4];
+  auto load_x = [&](int st) {
+#pragma unroll
+    for (int jj = 0; jj < GPS; ++jj) {
+      const int i = st * GPS + jj;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        xn[kPrefetchX ? jj : 0][j] = xcol[0] && i < cnt ? __ldg(xcol[0] + (gb + i) * 16 + j)
+                                                        : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  if constexpr (kPrefetchX) load_x(0);
   float acc[NM][2];
   float accc[NM][NT > 0 ? NT : 1][4];
 #pragma unroll
@@ -329,6 +348,14 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
     cp_async_wait<S - 2>();  // this lane's copies of stage st have landed
     __syncwarp();            // ... and every lane's (x too); stage st-1's slot is no longer read
     issue(st + S - 1);
+    uint4 xc[kPrefetchX ? GPS : 1][4];
+    if constexpr (kPrefetchX) {
+#pragma unroll
+      for (int jj = 0; jj < GPS; ++jj)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) xc[jj][j] = xn[jj][j];
+      if (st + 1 < nst) load_x(st + 1);
+    }
     const uint4* slot = ring + (st % S) * SLOT;
 #pragma unroll
     for (int jj = 0; jj < GPS; ++jj) {
@@ -354,7 +381,9 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
           for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int j = 0; j < 4; ++j)
-              xv[nt][j] = xcol[nt] ? __ldg(xcol[nt] + gi * 16 + j) : make_uint4(0u, 0u, 0u, 0u);
+              xv[nt][j] = kPrefetchX ? xc[kPrefetchX ? jj : 0][j]
+                          : xcol[nt] ? __ldg(xcol[nt] + gi * 16 + j)
+                                     : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
           for (int m = 0; m < NM; ++m) {
             const uint4& va = slot[(m * 16 + g) * RC + ring_swz<GPS>(4 * jj + t, g)];
