@@ -15,7 +15,10 @@ Cases, per repetition (a warm-up repetition is run and left out of the medians):
   new_chat   a new chat, cold cache (the backend's cache emptied first), first user message
   next_turn  a second user message (~40 tokens) in the same chat: only it is prefilled after the
              cached prefix of the first turn (the product's "TTFT of a new turn")
-Both sides use greedy decoding, so they produce the same tokens (checked: same_text).
+Both sides use greedy decoding, so they produce the same tokens (checked: same_text). With
+--sampled, both use the app's default sampler (Settings' temperature, top-k, top-p, min-p and
+repetition penalty) with one fixed seed, so they still draw the same tokens: the rate a person
+sees with the settings the app ships, sampler launches included.
 
 Printed and written (`--json FILE`): per case the medians of the engine's tok/s (its step
 timings) and TTFT (engine-measured), the on-screen tok/s ((tokens - 1) / (last text - first
@@ -303,8 +306,10 @@ async def run(args) -> dict:
     from nanoqwen.engine import loader
 
     model = Path(args.model) if args.model else loader.default_model_path()
-    save_settings(Settings(greedy=True, model_sampler=False, max_new_tokens=args.tokens,
-                           decode_mode=args.mode or "graph"))
+    # model_sampler off: the settings below stand, not the model file's generation defaults
+    sampler = (dict(greedy=False, seed=args.seed) if args.sampled else dict(greedy=True))
+    save_settings(Settings(model_sampler=False, max_new_tokens=args.tokens,
+                           decode_mode=args.mode or "graph", **sampler))
     clock = ScreenClock()
     app = NanoqwenApp(model=model, backend=args.backend, mode=args.mode, threads=args.threads)
     clock.watch(app)
@@ -320,7 +325,8 @@ async def run(args) -> dict:
             backend, tokenizer = separate.backend, separate.tokenizer
         params = app.settings.sampler_params()
         meta = dict(backend=backend.name, device=backend.device_name, model=backend.config.name,
-                    mode=backend.mode, engine_shared_with_app=separate is None)
+                    mode=backend.mode, engine_shared_with_app=separate is None,
+                    sampler=params.to_dict())
         from nanoqwen.engine.session import ChatSession
 
         rep = attempts = 0
@@ -423,7 +429,9 @@ def summarize(turns: list[dict]) -> dict:
 def print_summary(meta: dict, summary: dict, args) -> None:
     f = lambda v, fmt=".1f": "-" if v is None else format(v, fmt)  # noqa: E731
     print(f"\n{meta['model']} · {meta['backend']} ({meta['device']}) · mode {meta['mode']} · "
-          f"{args.tokens} new tokens · medians of {args.reps} reps"
+          f"{args.tokens} new tokens · medians of {args.reps} reps · "
+          + ("greedy" if meta["sampler"]["temperature"] == 0 else
+             "sampled: " + ", ".join(f"{k} {v}" for k, v in meta["sampler"].items()))
           + ("" if meta.get("engine_shared_with_app") else " · engine loaded separately"))
     print(f"{'case':10s} {'engine tok/s':>12s} {'screen tok/s':>12s} {'ratio':>6s}   "
           f"{'engine TTFT':>11s} {'Enter->text':>11s} {'ratio':>6s}   "
@@ -451,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=["graph", "eager"], default=None,
                     help="decode mode (default: the backend's; the reference backend has eager)")
     ap.add_argument("--tokens", type=int, default=256, help="max new tokens per turn")
+    ap.add_argument("--sampled", action="store_true",
+                    help="the app's default sampler (fixed --seed) instead of greedy decoding")
+    ap.add_argument("--seed", type=int, default=1234, help="the sampler's seed with --sampled")
     ap.add_argument("--reps", type=int, default=5, help="measured repetitions (medians)")
     ap.add_argument("--warmup", type=int, default=1, help="repetitions left out of the medians")
     ap.add_argument("--width", type=int, default=120)
@@ -491,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
             date=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
             device=device, commit=_commit(), model=meta["model"],
             model_file=str(Path(args.model).resolve()) if args.model else "bundled",
-            backend=meta["backend"], mode=meta["mode"], tokens=args.tokens, reps=args.reps,
+            backend=meta["backend"], mode=meta["mode"], sampler=meta["sampler"],
+            tokens=args.tokens, reps=args.reps,
             warmup=args.warmup, engine_shared_with_app=meta["engine_shared_with_app"],
             torch_threads=_cpu_threads(), python=platform.python_version(),
             max_other_load=args.max_other_load,

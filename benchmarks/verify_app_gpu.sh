@@ -3,7 +3,8 @@
 # all of tests/gpu, `nanoqwen bench` (7B synthetic), TTFT at new prompt lengths
 # (benchmarks/bench_prefill_lengths.py), then a real 7B-shaped .nanoqwen file
 # (random weights, the real Qwen2 tokenizer from .tok/tokenizer.json) and benchmarks/bench_app.py
-# in graph and eager mode. Logs and JSON under $OUT.
+# in graph and eager mode (SAMPLED=1: graph mode once more with the app's default sampler,
+# bench_app --sampled). Logs and JSON under $OUT.
 # usage (from the checkout, carry .whl and .tok), the commit named here, where it is known:
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD, run on this side> bash benchmarks/verify_app_gpu.sh
 # (on the device, `git rev-parse` gives the commit its copy was first synced at)
@@ -26,6 +27,11 @@ t "bench_app $m"
 timeout ${APP_TIMEOUT:-150} python3 benchmarks/bench_app.py --model /tmp/7b.nanoqwen --backend cuda --mode $m \
   --tokens ${TOKENS:-1024} --reps ${REPS:-3} --quiet --json "$OUT/app_7b_$m.json" 2>&1 | tail -12
 done
+if [ "${SAMPLED:-0}" = 1 ]; then  # the app's default sampler (bench_app --sampled), graph mode
+t "bench_app graph, sampled"
+timeout ${APP_TIMEOUT:-150} python3 benchmarks/bench_app.py --model /tmp/7b.nanoqwen --backend cuda --mode graph \
+  --tokens ${TOKENS:-1024} --reps ${REPS:-3} --quiet --sampled --json "$OUT/app_7b_graph_sampled.json" 2>&1 | tail -12
+fi
 t "done"
 } 2>&1 | tee "$OUT/verify_app_log.txt"
 true
