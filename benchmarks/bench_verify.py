@@ -10,6 +10,12 @@ prefill, so attention reads a real cache. For T = 1..16 tokens, the verify step 
 median of --reps, graph mode (a graph per k) and eager; the decode step at the same position,
 graph and eager (core.run_step). Ratios are against the decode step of the same mode.
 
+With --kernels: where the verify step's time goes. The eager decode step and the eager verify
+step at T = 1, 2, 4, 8, 16 under torch.profiler (CUPTI records the C++ core's launches too), each
+kernel family's GPU time per step (the sum of its launches' durations over --reps steps, divided
+by --reps; with PDL neighbouring kernels overlap, so the families' sum can exceed the step's
+wall time) and its launches per step; written to the JSON as "kernels".
+
 With --acceptance (a bench_spec.py JSON, greedy, prompt lookup): the effective ms per
 generated token at these shapes if each request drafted and kept as measured there. Per
 request: `verify_steps` steps of T = 1 + round(drafted / verify_steps) tokens at t(T), the
@@ -75,6 +81,62 @@ def us_per_launch(fn, stream, launches: int = 20, runs: int = 5) -> float:
     return statistics.median(ts[1:])
 
 
+def kernel_family(name: str) -> str:
+    """A kernel's instance from its demangled name, without namespaces, return type and
+    parameters: 'void nanoqwen::(anonymous namespace)::gemv_int4_tca_kernel<2, 2, 4, 2, 2,
+    1>((anonymous namespace)::Args)' -> 'gemv_int4_tca_kernel<2, 2, 4, 2, 2, 1>' (the template
+    arguments tell the verify step's column instances from the decode step's)."""
+    s = name.replace("(anonymous namespace)::", "")
+    depth = 0
+    for i, ch in enumerate(s):
+        depth += (ch == "<") - (ch == ">")
+        if ch == "(" and depth == 0:
+            s = s[:i]
+            break
+    head, sep, args = s.strip().partition("<")
+    base = head.split("::")[-1].split(" ")[-1]
+    return base + sep + args if base else name   # e.g. 'Memset (Device)' stays whole
+
+
+def kernel_times(fn, reps: int) -> dict:
+    """{family: {"us": GPU time per call, "launches": per call}} of `fn` run `reps` times under
+    torch.profiler (after 3 calls outside it)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    fam: dict = {}
+    for e in prof.events():   # the GPU's own records (kernels, memsets), one per launch
+        if e.device_type != DeviceType.CUDA:
+            continue
+        f = fam.setdefault(kernel_family(e.name), {"us": 0.0, "launches": 0})
+        f["us"] += e.time_range.elapsed_us()
+        f["launches"] += 1
+    return {k: {"us": v["us"] / reps, "launches": v["launches"] / reps}
+            for k, v in sorted(fam.items(), key=lambda kv: -kv[1]["us"])}
+
+
+def print_kernels(kernels: dict) -> None:
+    names = list(kernels)
+    fams = list(dict.fromkeys(f for n in names for f in kernels[n]))
+    print("GPU time per eager step by kernel (us; launches per step in brackets):")
+    print(f"{'kernel':58s}" + "".join(f"{n:>18s}" for n in names))
+    for f in fams:
+        cells = []
+        for n in names:
+            v = kernels[n].get(f)
+            cells.append(f"{v['us']:9.1f} ({v['launches']:4.0f})" if v else " " * 16 + "-")
+        print(f"{f[:58]:58s}" + "".join(f"{c:>18s}" for c in cells))
+    print(f"{'sum':58s}" + "".join(f"{sum(v['us'] for v in kernels[n].values()):18.1f}"
+                                  for n in names))
+
+
 def main(argv=None) -> int:
     from nanoqwen.engine.backends.cuda import MAX_VERIFY, CudaBackend
     from nanoqwen.engine.bench import _commit
@@ -86,6 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--acceptance", default=None, help="a bench_spec.py --json file")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kernels", action="store_true",
+                    help="each kernel family's GPU time per eager step (torch.profiler)")
     a = ap.parse_args(argv)
     cfg = ModelConfig.from_name(a.preset)
     be = CudaBackend.synthetic(cfg, max_context=a.context + 64)
@@ -131,6 +195,17 @@ def main(argv=None) -> int:
                              eager_vs_decode_eager=te / t_eager, ms_per_token=t / T))
         note = core.verify_note()
         ops_rows = gemv_columns(be, cfg, stream)
+        kernels = None
+        if a.kernels:
+            def decode_eager():
+                be.pos.fill_(a.context)
+                core.run_step(False)
+            steps = {"decode": decode_eager}
+            for T in (1, 2, 4, 8, 16):
+                if T <= MAX_VERIFY:
+                    ids = torch.randint(0, cfg.vocab_size, (T,), generator=gen, dtype=torch.int32)
+                    steps[f"verify T={T}"] = (lambda ids=ids: core.verify(ids, a.context, False))
+            kernels = {name: kernel_times(fn, a.reps) for name, fn in steps.items()}
     print(f"{cfg.name} context {a.context}: decode step graph {t_graph:.3f} ms, eager "
           f"{t_eager:.3f} ms ({torch.cuda.get_device_name(be.device)})")
     if note:
@@ -143,12 +218,14 @@ def main(argv=None) -> int:
     print("op            " + "".join(f"{c:>9d}" for c in COLS))
     for name in dict.fromkeys(r["op"] for r in ops_rows):
         print(f"{name:13s} " + "".join(f"{r['us']:9.2f}" for r in ops_rows if r["op"] == name))
+    if kernels:
+        print_kernels(kernels)
     out = dict(bench="bench_verify", preset=cfg.name, context=a.context, reps=a.reps,
                device=torch.cuda.get_device_name(be.device), commit=_commit(),
                date=time.strftime("%Y-%m-%d"), decode_graph_ms=t_graph, decode_eager_ms=t_eager,
                verify_mode="graph (one per k; eager_ms: the same launches from C++)",
                verify_graph_note=note, rows=rows,
-               gemv_columns=ops_rows)
+               gemv_columns=ops_rows, kernels=kernels)
     if a.acceptance:
         spec = json.load(open(a.acceptance))
         t_of = {r["k"]: r["ms"] for r in rows}
