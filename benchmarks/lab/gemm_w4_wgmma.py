@@ -17,8 +17,9 @@ a refused product shape stops the run.
 Then per projection and m, us per launch (bench_verify.us_per_launch: 20 back-to-back launches,
 median of 5) for every variant, resident (F.linear on the fp16 copy; gate/up + silu_mul, as the
 prefill runs it), dequant (dequant_int4 of the matrices, then the same) and gemm_int4 (the
-product's op: at m = 64 and 127 the mma.sync kernel, which the variants meet there); per layer
-the four projections summed, and the TFLOPS of the best variant.
+product's op: at m = 64 and 127 the mma.sync kernel, which the variants meet there; timed first
+in its row and again after the fp16 paths, gemm_int4_after_fp16); per layer the four projections
+summed, and the TFLOPS of the best variant.
 
 Prediction (written before the first run, session 22): correct at every shape (the index math
 follows the mma.sync kernel's, whose A-fragment layout wgmma's register A shares per warp);
@@ -165,10 +166,6 @@ def main(argv=None) -> int:
             y = torch.empty(m, n, device="cuda", dtype=torch.half)
             row = dict(proj=pname, m=m, n=n, k=k)
             flops = 2.0 * m * n * k * (2 if op == "silu" else 1)
-            for nm in names:
-                v = variants.index(nm)
-                out = resid if op == "resid" else y
-                row[f"{nm}_us"] = timed(lambda: call(v, op, out, x, mats, b, m, n, k), stream)
 
             def int4():
                 if op == "store":
@@ -178,12 +175,22 @@ def main(argv=None) -> int:
                 else:
                     ops.gemm_int4_residual(resid, x, mats[0][0], mats[0][1])
 
+            # the product's op first, and again after cuBLAS (gemm_int4_after_fp16_us): session
+            # 28 timed it last only and found it 16-18% over its own shape's variant at m = 512
+            # for gate/up and down (the same kernel) -- a clock drop after cuBLAS's tensor-core
+            # load, or a real difference; the two figures tell which
+            if m <= 2048:   # the mma.sync kernel: 2.4x cuBLAS at 512 (session 18)
+                row["gemm_int4_us"] = timed(int4, stream)
+            for nm in names:
+                v = variants.index(nm)
+                out = resid if op == "resid" else y
+                row[f"{nm}_us"] = timed(lambda: call(v, op, out, x, mats, b, m, n, k), stream)
             resident, dequant = fp16_paths(op, x, mats, bias, resid, ops.dequant_int4,
                                            ops.silu_mul)
             row["resident_us"] = timed(resident, stream)
             row["dequant_us"] = timed(dequant, stream)
-            if m <= 2048:   # the mma.sync kernel: 2.4x cuBLAS at 512 (session 18)
-                row["gemm_int4_us"] = timed(int4, stream)
+            if m <= 2048:
+                row["gemm_int4_after_fp16_us"] = timed(int4, stream)
             best = min(names, key=lambda nm: row[f"{nm}_us"])
             row["best"], row["best_us"] = best, row[f"{best}_us"]
             row["best_tflops"] = flops / row["best_us"] / 1e6
@@ -192,17 +199,20 @@ def main(argv=None) -> int:
             print(f"{pname} m={m}: best {best} {row['best_us']:.1f} us "
                   f"({row['best_tflops']:.0f} TFLOPS), resident {row['resident_us']:.1f} "
                   f"({row['resident_tflops']:.0f}), dequant {row['dequant_us']:.1f}, gemm_int4 "
-                  f"{row.get('gemm_int4_us', float('nan')):.1f}; "
+                  f"{row.get('gemm_int4_us', float('nan')):.1f} (after fp16 "
+                  f"{row.get('gemm_int4_after_fp16_us', float('nan')):.1f}); "
                   + " ".join(f"{nm}={row[nm + '_us']:.1f}" for nm in names), flush=True)
     layer = {}
     for m in sorted({r["m"] for r in rows}):
         rs = [r for r in rows if r["m"] == m]
-        keys = ["resident", "dequant", "best"] + names + (["gemm_int4"] if m <= 2048 else [])
+        keys = ["resident", "dequant", "best"] + names + (
+            ["gemm_int4", "gemm_int4_after_fp16"] if m <= 2048 else [])
         d = {w: sum(r[f"{w}_us"] for r in rs) for w in keys}
         layer[m] = d
         top = sorted(names, key=lambda nm: d[nm])[:3]
         print(f"per layer m={m}: resident {d['resident']:.1f} dequant {d['dequant']:.1f} "
-              f"gemm_int4 {d.get('gemm_int4', float('nan')):.1f} best-per-projection "
+              f"gemm_int4 {d.get('gemm_int4', float('nan')):.1f} (after fp16 "
+              f"{d.get('gemm_int4_after_fp16', float('nan')):.1f}) best-per-projection "
               f"{d['best']:.1f}; best one shape: " + ", ".join(f"{nm} {d[nm]:.1f}" for nm in top),
               flush=True)
     print(f"largest error {worst:.3g}, the product's op and shape {worst_product:.3g} (bound {TOL})")
