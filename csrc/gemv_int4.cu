@@ -422,17 +422,9 @@ struct Tca {
     auto kern = gemv_int4_tca_kernel<kNm, KS, S, GPS, OP, NT>;
     static const cudaError_t attr = set_max_smem(kern, kTcaMaxSmemBytes);
     if (attr != cudaSuccess) return smem_refused(attr, "gemv_int4_tca_kernel", kTcaMaxSmemBytes);
-    // gate/up's column instance launches with the one-column instance's shared memory, so both
-    // hold as many blocks an SM: at the 7B's 1184 blocks that is 1.79 waves, not 1.49 with a
-    // half-empty last wave (ncu at 2 columns: 61.1k -> 54.1k cycles; t(2..8) -1.3%, H100,
-    // RESULTS.md session 29)
-    long long smem = tca_smem_bytes(a.k, kNm, KS, S, GPS, NT);
-    if constexpr (OP == OP_SILU && NT == 1) {
-      const long long one = tca_smem_bytes(a.k, kNm, KS, S, GPS, 0);
-      if (one > smem && one <= kTcaMaxSmemBytes) smem = one;
-    }
     return launch_pdl(NT == 0 ? "gemv_int4_tca_kernel" : "gemv_int4_tca_kernel (columns)", kern,
-                      dim3((a.n + 15) / 16), dim3(KS * 32), (size_t)smem, stream, a);
+                      dim3((a.n + 15) / 16), dim3(KS * 32),
+                      (size_t)tca_smem_bytes(a.k, kNm, KS, S, GPS, NT), stream, a);
   }
 };
 
