@@ -80,16 +80,7 @@ def us_per_launch_graph(fn, stream, launches: int = 20, runs: int = 5) -> float 
         with torch.cuda.graph(g):
             for _ in range(launches):
                 fn()
-        ts = []
-        for _ in range(runs + 1):
-            s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s0.record(stream)
-            g.replay()
-            s1.record(stream)
-            s1.synchronize()
-            ts.append(s0.elapsed_time(s1) * 1e3 / launches)
-        del g
-        return statistics.median(ts[1:])
+        return us_per_launch(g.replay, stream, launches=1, runs=runs) / launches
     except Exception as e:   # a lab figure, not a product path: report and go on
         print(f"graph timing unavailable: {type(e).__name__}: {e}", flush=True)
         return None
