@@ -11,6 +11,9 @@
 // R1_U16) and the RMSNorm-in-the-prologue entry gemv_fp16_norm are in
 // benchmarks/lab/gemv_fp16_lab.cu (GEMV_NOTES.md runs 1-2: all four within 0.7%, 104-106% of the
 // copy bandwidth).
+// The verify step's 5-16 columns take gemv_fp16_rows_kernel (below): one warp a row costs every
+// column an x load and 8 conversions per 8 weights, which bound that instance past 4 columns
+// (599 us at 8 against 342 at one, RESULTS.md session 15).
 #include "common.cuh"
 #include "gemv.h"
 
@@ -112,6 +115,138 @@ __global__ void __launch_bounds__(kThreads) gemv_fp16_kernel(float* __restrict__
   }
 }
 
+// Columns 5-16 (the verify step): a warp owns R rows, so an x chunk, loaded and converted once,
+// serves R rows (per chunk and lane: R*8 weight conversions, nc*(1 load + 8 conversions), R*nc*8
+// FMAs). The weights stream through a cp.async ring of S steps a warp in shared memory (S*R*512
+// B; the accumulators leave no registers for a register ring deep enough), each lane reading
+// back only the 16-byte slots it copied itself (cp_async_wait, no barrier). The grid is the
+// resident blocks; warp w walks row groups w, w + gstride, ..., and its copies run S steps ahead
+// across groups. Bit-identical to the one-column instance per column: each (row, column) runs
+// the same two chains on the same lane over the same chunks in the same order (c = lane + 32 j,
+// j increasing; even elements into acc0, odd into acc1, fmaf element by element), then acc0 +
+// acc1 and the same xor butterfly. Lab variants: benchmarks/lab/lm_head_cols_lab.cu.
+struct RowWalk {  // a warp's position: row group g, step j (chunk lane + 32 j) of J
+  int g, j;
+  __device__ __forceinline__ void next(int J, int gstride) {
+    if (++j == J) {
+      j = 0;
+      g += gstride;
+    }
+  }
+};
+
+template <int R, int S, int NC, int W, int MINB>
+__global__ void __launch_bounds__(W * 32, MINB) gemv_fp16_rows_kernel(float* __restrict__ out,
+                                                                      const half* __restrict__ x,
+                                                                      const half* __restrict__ w,
+                                                                      int n, int k, int nc) {
+  extern __shared__ uint4 ring[];  // [W][S][R][32]
+  const int lane = threadIdx.x & 31;
+  const int C = k >> 3, J = (C + 31) >> 5;
+  const int ngroups = (n + R - 1) / R, gstride = gridDim.x * W;
+  const uint4* w4 = reinterpret_cast<const uint4*>(w);
+  const uint4* x4 = reinterpret_cast<const uint4*>(x);
+  uint4* my = ring + (size_t)(threadIdx.x >> 5) * S * R * 32 + lane;
+  RowWalk ld{(int)(blockIdx.x * W + (threadIdx.x >> 5)), 0}, cp = ld;
+  auto issue = [&](int slot) {  // one commit group per step, empty past the warp's last
+    if (ld.g < ngroups) {
+      const int c = lane + 32 * ld.j;
+      if (c < C) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)  // rows past n (last group) re-read row n-1, never stored
+          cp_async16(my + (slot * R + r) * 32, w4 + (size_t)min(ld.g * R + r, n - 1) * C + c);
+      }
+      ld.next(J, gstride);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < S; ++s) issue(s);  // weights only: legal before griddep_wait (PDL rule 1)
+  griddep_wait();
+  griddep_launch_dependents();
+  float acc0[NC][R], acc1[NC][R];
+#pragma unroll
+  for (int q = 0; q < NC; ++q)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc0[q][r] = acc1[q][r] = 0.f;
+  while (cp.g < ngroups) {  // warp-uniform
+#pragma unroll
+    for (int u = 0; u < S; ++u) {  // ring slot u holds the step S back from the next copy
+      if (cp.g >= ngroups) break;
+      const int c = lane + 32 * cp.j;
+      cp_async_wait<S - 1>();  // the oldest of S pending groups, slot u's, has landed
+      float wf[R][8];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint4 v = my[(u * R + r) * 32];
+        const float2 a = h2f(v.x), b = h2f(v.y), d = h2f(v.z), e = h2f(v.w);
+        wf[r][0] = a.x; wf[r][1] = a.y; wf[r][2] = b.x; wf[r][3] = b.y;
+        wf[r][4] = d.x; wf[r][5] = d.y; wf[r][6] = e.x; wf[r][7] = e.y;
+      }
+      issue(u);  // refill after the slot's values are in registers (same-thread WAR)
+      if (c < C) {
+#pragma unroll
+        for (int q = 0; q < NC; ++q) {
+          if (q >= nc) break;  // warp-uniform
+          const uint4 xv = __ldg(x4 + (size_t)q * C + c);
+          const float2 x0 = h2f(xv.x), x1 = h2f(xv.y), x2 = h2f(xv.z), x3 = h2f(xv.w);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {  // the one-column instance's order
+            acc0[q][r] = fmaf(wf[r][0], x0.x, acc0[q][r]);
+            acc1[q][r] = fmaf(wf[r][1], x0.y, acc1[q][r]);
+            acc0[q][r] = fmaf(wf[r][2], x1.x, acc0[q][r]);
+            acc1[q][r] = fmaf(wf[r][3], x1.y, acc1[q][r]);
+            acc0[q][r] = fmaf(wf[r][4], x2.x, acc0[q][r]);
+            acc1[q][r] = fmaf(wf[r][5], x2.y, acc1[q][r]);
+            acc0[q][r] = fmaf(wf[r][6], x3.x, acc0[q][r]);
+            acc1[q][r] = fmaf(wf[r][7], x3.y, acc1[q][r]);
+          }
+        }
+      }
+      if (cp.j == J - 1) {  // the group's last step: sums out, accumulators zeroed
+#pragma unroll
+        for (int q = 0; q < NC; ++q) {
+          if (q >= nc) break;
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            float v = acc0[q][r] + acc1[q][r];
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+            if (lane == r && cp.g * R + r < n) out[(size_t)q * n + cp.g * R + r] = v;
+            acc0[q][r] = acc1[q][r] = 0.f;
+          }
+        }
+      }
+      cp.next(J, gstride);
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// One instance of the rows kernel: its ring's bytes and its resident grid (once per instance).
+template <int R, int S, int NC, int W, int MINB>
+cudaError_t launch_rows(const char* what, float* out, const half* x, const half* w, int n, int k,
+                        int nc, cudaStream_t stream) {
+  constexpr int kSmem = W * S * R * 32 * 16;
+  auto kern = gemv_fp16_rows_kernel<R, S, NC, W, MINB>;
+  static const cudaError_t attr = set_max_smem(kern, kSmem);
+  if (attr != cudaSuccess) return smem_refused(attr, what, kSmem);
+  static const int resident = [&] {
+    int dev = 0, sms = 0, per_sm = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, W * 32, kSmem) !=
+            cudaSuccess) {
+      (void)cudaGetLastError();
+      return 132;  // an H100's SMs: only the grid's size depends on it
+    }
+    return sms * (per_sm > 0 ? per_sm : 1);
+  }();
+  const int blocks = ((n + R - 1) / R + W - 1) / W;
+  return launch_pdl(what, kern, dim3(std::min(blocks, resident)), dim3(W * 32), kSmem, stream,
+                    out, x, w, n, k, nc);
+}
+
 }  // namespace
 
 cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k, int cols,
@@ -130,19 +265,19 @@ cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k,
                    kMaxGemvCols, n, k);
   const int warps = (n + kRows - 1) / kRows;
   const dim3 grid((warps + kWarps - 1) / kWarps);
-  // one column: the decode step's instance; more: the smallest of 4, 8, 16 columns that holds
-  // them, the same R and U (2 rows a warp with 4 chunks in flight measured slower at 8 columns:
-  // RESULTS.md, session 15). Each column's sums run as in the one-column instance.
+  // one column: the decode step's instance; 2-4: the same kernel for 4 columns (x reloaded per
+  // column, at the copy rate up to 4); 5-16: the rows kernel (4 rows a warp to 8 columns, 2 to
+  // 16: its accumulators are R*NC*2 registers). Each column's sums run as in the one-column
+  // instance.
   const cudaError_t e =
       cols == 1  ? launch_pdl("gemv_fp16_kernel", gemv_fp16_kernel<kRows, kUnroll, 1>, grid,
                               dim3(kThreads), 0, stream, logits, x, w, n, k, cols)
       : cols <= 4 ? launch_pdl("gemv_fp16_kernel<4 columns>", gemv_fp16_kernel<kRows, kUnroll, 4>,
                                grid, dim3(kThreads), 0, stream, logits, x, w, n, k, cols)
-      : cols <= 8 ? launch_pdl("gemv_fp16_kernel<8 columns>", gemv_fp16_kernel<kRows, kUnroll, 8>,
-                               grid, dim3(kThreads), 0, stream, logits, x, w, n, k, cols)
-                  : launch_pdl("gemv_fp16_kernel<16 columns>",
-                               gemv_fp16_kernel<kRows, kUnroll, 16>, grid, dim3(kThreads), 0,
-                               stream, logits, x, w, n, k, cols);
+      : cols <= 8 ? launch_rows<4, 4, 8, 8, 2>("gemv_fp16_rows_kernel<8 columns>", logits, x, w,
+                                               n, k, cols, stream)
+                  : launch_rows<2, 6, 16, 8, 1>("gemv_fp16_rows_kernel<16 columns>", logits, x, w,
+                                                n, k, cols, stream);
   if (e == cudaSuccess) return e;
   return nq_fail(e, "gemv_fp16: n=%d k=%d cols=%d: %s", n, k, cols, last_error_message());
 }

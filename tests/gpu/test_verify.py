@@ -77,10 +77,16 @@ def test_int4_columns_are_one_column_calls(n, k, cols):
         assert torch.equal(o[c], o1), ("gemv_int4_silu_mul", c)
 
 
-@pytest.mark.parametrize("cols", COLS)
-def test_fp16_columns_are_one_column_calls(cols):
-    gen = torch.Generator().manual_seed(cols)
-    n, k = 152064 // 8 + 5, 3584   # a slice of the 7B lm_head, ragged n
+# (n, k): a slice of the 7B lm_head with n ragged for every rows-a-warp (1, 2, 4); the 0.5B's
+# k = 896 (112 chunks of 8: lanes 16..31 have one chunk fewer); k = 264 (33 chunks: one lane has
+# two); k = 8 (one chunk, 31 idle lanes); n = 3 (fewer rows than a warp's group of 4)
+FP16_SHAPES = [(152064 // 8 + 5, 3584), (4099, 896), (1001, 264), (37, 8), (3, 3584)]
+
+
+@pytest.mark.parametrize("n,k", FP16_SHAPES)
+@pytest.mark.parametrize("cols", COLS + [5, 6])
+def test_fp16_columns_are_one_column_calls(cols, n, k):
+    gen = torch.Generator().manual_seed(cols * 7 + k)
     w = (torch.randn(n, k, generator=gen) * 0.02).half().cuda()
     x = torch.randn(cols, k, generator=gen).half().cuda()
     out = torch.full((cols, n), float("nan"), device="cuda")
