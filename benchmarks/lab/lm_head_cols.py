@@ -35,7 +35,7 @@ LAB = Path(__file__).resolve().parent
 sys.path.insert(0, str(LAB.parent))
 sys.path.insert(0, str(LAB))
 from bench_verify import us_per_launch as timed  # noqa: E402
-COLS = (1, 2, 4, 5, 8, 9, 12, 16)
+COLS = (1, 2, 4, 5, 6, 8, 9, 12, 16)
 SHAPES = ((152064, 3584), (19013, 896), (1001, 264), (37, 8))   # bit-identity checks
 
 
@@ -52,6 +52,8 @@ def build() -> ctypes.CDLL:
     lib.lm_head_cols_max.argtypes = [I]
     lib.lm_head_cols_max.restype = I
     lib.lm_head_cols_count.restype = I
+    lib.lm_head_cols_exact.argtypes = [I]
+    lib.lm_head_cols_exact.restype = I
     return lib
 
 
@@ -68,6 +70,10 @@ def main(argv=None) -> int:
     sp = ctypes.c_void_p(stream.cuda_stream)
     variants = [(v, lib.lm_head_cols_name(v).decode(), lib.lm_head_cols_max(v))
                 for v in range(lib.lm_head_cols_count())]
+    exact = {v for v, _, _ in variants if lib.lm_head_cols_exact(v)}
+
+    def takes(v, mx, c):   # the exactly-NC instances take NC columns only
+        return c == mx if v in exact else c <= mx
 
     def launch(v, out, xs, w):
         e = lib.lm_head_cols(v, out.data_ptr(), xs.data_ptr(), w.data_ptr(), w.shape[0],
@@ -84,8 +90,8 @@ def main(argv=None) -> int:
         for c in range(16):
             o.gemv_fp16(ones[c], x[c], w)
         for v, name, mx in variants:
-            for c in (2, 5, 8, 16):
-                if c > mx:
+            for c in (2, 5, 8, 12, 16):
+                if not takes(v, mx, c):
                     continue
                 out = torch.full((c, n), float("nan"), device="cuda")
                 launch(v, out, x[:c].contiguous(), w)
@@ -104,7 +110,7 @@ def main(argv=None) -> int:
         out = torch.empty(c, n, device="cuda")
         row = dict(cols=c, csrc_us=timed(lambda: o.gemv_fp16(out, xs, w), stream))
         for v, name, mx in variants:
-            if c <= mx:
+            if takes(v, mx, c):
                 row[f"{name}_us"] = timed(lambda: launch(v, out, xs, w), stream)
         rows.append(row)
         print(" ".join(f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"

@@ -68,6 +68,50 @@ __device__ __forceinline__ void step_fma(const uint4 (&wv)[R], const uint4* __re
   }
 }
 
+// step_fma with every column's x chunk loaded first (column index clamped to nc - 1, so each
+// load is unconditional and the compiler may issue all NC before the first use): the loads'
+// latency is paid once a step instead of once a column (session 30, call 1: the break per
+// column keeps the compiler from hoisting them).
+template <int R, int NC>
+__device__ __forceinline__ void step_fma_hoisted(const uint4 (&wv)[R], const uint4* __restrict__ x4,
+                                                 int C, int c, int nc, float (&acc0)[NC][R],
+                                                 float (&acc1)[NC][R]) {
+  uint4 xr[NC];
+#pragma unroll
+  for (int q = 0; q < NC; ++q) xr[q] = __ldg(x4 + (size_t)min(q, nc - 1) * C + c);
+  float wf[R][8];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float2 a = h2f(wv[r].x), b = h2f(wv[r].y), d = h2f(wv[r].z), e = h2f(wv[r].w);
+    wf[r][0] = a.x; wf[r][1] = a.y; wf[r][2] = b.x; wf[r][3] = b.y;
+    wf[r][4] = d.x; wf[r][5] = d.y; wf[r][6] = e.x; wf[r][7] = e.y;
+  }
+#pragma unroll
+  for (int q = 0; q < NC; ++q) {
+    if (q >= nc) break;  // warp-uniform
+    const float2 x0 = h2f(xr[q].x), x1 = h2f(xr[q].y), x2 = h2f(xr[q].z), x3 = h2f(xr[q].w);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      acc0[q][r] = fmaf(wf[r][0], x0.x, acc0[q][r]);
+      acc1[q][r] = fmaf(wf[r][1], x0.y, acc1[q][r]);
+      acc0[q][r] = fmaf(wf[r][2], x1.x, acc0[q][r]);
+      acc1[q][r] = fmaf(wf[r][3], x1.y, acc1[q][r]);
+      acc0[q][r] = fmaf(wf[r][4], x2.x, acc0[q][r]);
+      acc1[q][r] = fmaf(wf[r][5], x2.y, acc1[q][r]);
+      acc0[q][r] = fmaf(wf[r][6], x3.x, acc0[q][r]);
+      acc1[q][r] = fmaf(wf[r][7], x3.y, acc1[q][r]);
+    }
+  }
+}
+
+// exactly NC columns (no break: every load and FMA unconditional)
+template <int R, int NC>
+__device__ __forceinline__ void step_fma_exact(const uint4 (&wv)[R], const uint4* __restrict__ x4,
+                                               int C, int c, int, float (&acc0)[NC][R],
+                                               float (&acc1)[NC][R]) {
+  step_fma_hoisted<R, NC>(wv, x4, C, c, NC, acc0, acc1);
+}
+
 // A row group's end: the butterfly per (row, column), stored by lane r; accumulators zeroed.
 template <int R, int NC>
 __device__ __forceinline__ void finish_group(float* __restrict__ out, int n, int nc, int g,
@@ -153,7 +197,7 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-template <int R, int S, int NC, int W, int MINB>
+template <int R, int S, int NC, int W, int MINB, int X>
 __global__ void __launch_bounds__(W * 32, MINB) lm_head_cols_ring(float* __restrict__ out,
                                                                   const half* __restrict__ x,
                                                                   const half* __restrict__ w,
@@ -196,7 +240,11 @@ __global__ void __launch_bounds__(W * 32, MINB) lm_head_cols_ring(float* __restr
       uint4 cur[R];
 #pragma unroll
       for (int r = 0; r < R; ++r) cur[r] = my[(u * R + r) * 32];
-      if (c < C) step_fma<R, NC>(cur, x4, C, c, nc, acc0, acc1);
+      if (c < C) {
+        if constexpr (X == 0) step_fma<R, NC>(cur, x4, C, c, nc, acc0, acc1);
+        else if constexpr (X == 1) step_fma_hoisted<R, NC>(cur, x4, C, c, nc, acc0, acc1);
+        else step_fma_exact<R, NC>(cur, x4, C, c, nc, acc0, acc1);
+      }
       issue(u);  // after the slot's values were used: no same-thread write-after-read race
       if (cp.j == J - 1) finish_group<R, NC>(out, n, nc, cp.g, lane, acc0, acc1);
       cp.next(J, gstride);
@@ -240,11 +288,11 @@ cudaError_t launch_regs(float* out, const half* x, const half* w, int n, int k, 
                               n, k, nc);
 }
 
-template <int R, int S, int NC, int W, int MINB>
+template <int R, int S, int NC, int W, int MINB, int X = 0>
 cudaError_t launch_ring(float* out, const half* x, const half* w, int n, int k, int nc,
                         cudaStream_t s) {
   const size_t smem = (size_t)W * S * R * 32 * 16;
-  auto kern = lm_head_cols_ring<R, S, NC, W, MINB>;
+  auto kern = lm_head_cols_ring<R, S, NC, W, MINB, X>;
   static bool attr = false;
   if (!attr) {
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -259,18 +307,22 @@ cudaError_t launch_ring(float* out, const half* x, const half* w, int n, int k, 
 }
 
 const Variant kVariants[] = {
-    {"regs_R4_U2_W8", 8, launch_regs<4, 2, 8, 8, 0>},
-    {"regs_R4_U2_W8_persist", 8, launch_regs<4, 2, 8, 8, 1>},
-    {"regs_R2_U4_W8_persist", 8, launch_regs<2, 4, 8, 8, 1>},
-    {"regs_R4_U3_W4_persist", 8, launch_regs<4, 3, 8, 4, 1>},
+    // session 30 call 1's best (the product's 5-8 column instance is ring_R4_S4_W8)
     {"regs_R8_U1_W8_persist", 8, launch_regs<8, 1, 8, 8, 1>},
     {"ring_R4_S4_W8", 8, launch_ring<4, 4, 8, 8, 2>},
-    {"ring_R4_S6_W8", 8, launch_ring<4, 6, 8, 8, 1>},
-    {"ring_R2_S8_W8", 8, launch_ring<2, 8, 8, 8, 2>},
-    {"ring_R8_S3_W8", 8, launch_ring<8, 3, 8, 8, 1>},
-    {"regs16_R2_U4_W8_persist", 16, launch_regs<2, 4, 16, 8, 1>},
-    {"ring16_R2_S6_W8", 16, launch_ring<2, 6, 16, 8, 1>},
+    // x hoisted (X = 1) and exactly-NC instances (X = 2, only at cols == NC)
+    {"ringX_R4_S4_W8_b2", 8, launch_ring<4, 4, 8, 8, 2, 1>},
+    {"ringX_R4_S6_W8_b1", 8, launch_ring<4, 6, 8, 8, 1, 1>},
+    {"ringX_R8_S3_W8_b1", 8, launch_ring<8, 3, 8, 8, 1, 1>},
+    {"ringX_R2_S8_W8_b2", 8, launch_ring<2, 8, 8, 8, 2, 1>},
+    {"ringE8_R4_S4_W8_b2", 8, launch_ring<4, 4, 8, 8, 2, 2>},
+    {"ringE8_R4_S6_W8_b1", 8, launch_ring<4, 6, 8, 8, 1, 2>},
+    {"ringE5_R4_S4_W8_b2", 5, launch_ring<4, 4, 5, 8, 2, 2>},
     {"ring16_R4_S4_W8", 16, launch_ring<4, 4, 16, 8, 1>},
+    {"ringX16_R2_S6_W8_b1", 16, launch_ring<2, 6, 16, 8, 1, 1>},
+    {"ringX16_R4_S4_W8_b1", 16, launch_ring<4, 4, 16, 8, 1, 1>},
+    {"ringE16_R2_S6_W8_b1", 16, launch_ring<2, 6, 16, 8, 1, 2>},
+    {"ringE12_R4_S4_W8_b1", 12, launch_ring<4, 4, 12, 8, 1, 2>},
 };
 
 }  // namespace
@@ -279,11 +331,13 @@ extern "C" {
 int lm_head_cols_count() { return (int)(sizeof(kVariants) / sizeof(kVariants[0])); }
 const char* lm_head_cols_name(int v) { return kVariants[v].name; }
 int lm_head_cols_max(int v) { return kVariants[v].nc_max; }
+// the exactly-NC instances (ringE*) take cols == NC only
+int lm_head_cols_exact(int v) { return kVariants[v].name[4] == 'E'; }
 // out [cols, n] fp32, x [cols, k] fp16, w [n, k] fp16; 0 or a cudaError_t
 int lm_head_cols(int v, float* out, const half* x, const half* w, int n, int k, int cols,
                  cudaStream_t s) {
   if (v < 0 || v >= lm_head_cols_count() || cols < 1 || cols > kVariants[v].nc_max || k % 8 ||
-      n < 1)
+      n < 1 || (lm_head_cols_exact(v) && cols != kVariants[v].nc_max))
     return (int)cudaErrorInvalidValue;
   return (int)kVariants[v].launch(out, x, w, n, k, cols, s);
 }
