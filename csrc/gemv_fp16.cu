@@ -119,12 +119,14 @@ __global__ void __launch_bounds__(kThreads) gemv_fp16_kernel(float* __restrict__
 // serves R rows (per chunk and lane: R*8 weight conversions, nc*(1 load + 8 conversions), R*nc*8
 // FMAs). The weights stream through a cp.async ring of S steps a warp in shared memory (S*R*512
 // B; the accumulators leave no registers for a register ring deep enough), each lane reading
-// back only the 16-byte slots it copied itself (cp_async_wait, no barrier). The grid is the
-// resident blocks; warp w walks row groups w, w + gstride, ..., and its copies run S steps ahead
-// across groups. Bit-identical to the one-column instance per column: each (row, column) runs
-// the same two chains on the same lane over the same chunks in the same order (c = lane + 32 j,
-// j increasing; even elements into acc0, odd into acc1, fmaf element by element), then acc0 +
-// acc1 and the same xor butterfly. Lab variants: benchmarks/lab/lm_head_cols_lab.cu.
+// back only the 16-byte slots it copied itself (cp_async_wait, no barrier) and refilling a slot
+// after its values were used. The grid is the resident blocks; warp w walks row groups w, w +
+// gstride, ..., and its copies run S steps ahead across groups. Bit-identical to the one-column
+// instance per column: each (row, column) runs the same two chains on the same lane over the
+// same chunks in the same order (c = lane + 32 j, j increasing; even elements into acc0, odd
+// into acc1, fmaf element by element), then acc0 + acc1 and the same xor butterfly. Variants and
+// their figures: benchmarks/lab/lm_head_cols_lab.cu (ring_R4_S4_W8, ringE*_R4_S4_W8_b2,
+// ring16_R4_S4_W8 are this kernel's instances).
 struct RowWalk {  // a warp's position: row group g, step j (chunk lane + 32 j) of J
   int g, j;
   __device__ __forceinline__ void next(int J, int gstride) {
@@ -135,11 +137,14 @@ struct RowWalk {  // a warp's position: row group g, step j (chunk lane + 32 j) 
   }
 };
 
-template <int R, int S, int NC, int W, int MINB>
+// EXACT: exactly NC columns (nc is NC), so no column loop has a runtime exit (measured 6-8%
+// faster at 5 and 8 columns than the runtime-nc instance, lab/lm_head_cols.py, session 30).
+template <int R, int S, int NC, int W, int MINB, bool EXACT>
 __global__ void __launch_bounds__(W * 32, MINB) gemv_fp16_rows_kernel(float* __restrict__ out,
                                                                       const half* __restrict__ x,
                                                                       const half* __restrict__ w,
                                                                       int n, int k, int nc) {
+  if constexpr (EXACT) nc = NC;
   extern __shared__ uint4 ring[];  // [W][S][R][32]
   const int lane = threadIdx.x & 31;
   const int C = k >> 3, J = (C + 31) >> 5;
@@ -175,20 +180,24 @@ __global__ void __launch_bounds__(W * 32, MINB) gemv_fp16_rows_kernel(float* __r
       if (cp.g >= ngroups) break;
       const int c = lane + 32 * cp.j;
       cp_async_wait<S - 1>();  // the oldest of S pending groups, slot u's, has landed
-      float wf[R][8];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const uint4 v = my[(u * R + r) * 32];
-        const float2 a = h2f(v.x), b = h2f(v.y), d = h2f(v.z), e = h2f(v.w);
-        wf[r][0] = a.x; wf[r][1] = a.y; wf[r][2] = b.x; wf[r][3] = b.y;
-        wf[r][4] = d.x; wf[r][5] = d.y; wf[r][6] = e.x; wf[r][7] = e.y;
-      }
-      issue(u);  // refill after the slot's values are in registers (same-thread WAR)
       if (c < C) {
+        uint4 xr[EXACT ? NC : 1];  // EXACT: every column's x chunk loaded before the first FMA
+        if constexpr (EXACT) {
+#pragma unroll
+          for (int q = 0; q < NC; ++q) xr[q] = __ldg(x4 + (size_t)q * C + c);
+        }
+        float wf[R][8];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const uint4 v = my[(u * R + r) * 32];
+          const float2 a = h2f(v.x), b = h2f(v.y), d = h2f(v.z), e = h2f(v.w);
+          wf[r][0] = a.x; wf[r][1] = a.y; wf[r][2] = b.x; wf[r][3] = b.y;
+          wf[r][4] = d.x; wf[r][5] = d.y; wf[r][6] = e.x; wf[r][7] = e.y;
+        }
 #pragma unroll
         for (int q = 0; q < NC; ++q) {
-          if (q >= nc) break;  // warp-uniform
-          const uint4 xv = __ldg(x4 + (size_t)q * C + c);
+          if (q >= nc) break;  // warp-uniform (never taken when EXACT)
+          const uint4 xv = EXACT ? xr[EXACT ? q : 0] : __ldg(x4 + (size_t)q * C + c);
           const float2 x0 = h2f(xv.x), x1 = h2f(xv.y), x2 = h2f(xv.z), x3 = h2f(xv.w);
 #pragma unroll
           for (int r = 0; r < R; ++r) {  // the one-column instance's order
@@ -203,6 +212,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemv_fp16_rows_kernel(float* __r
           }
         }
       }
+      issue(u);  // refill after the slot's values were used (no same-thread write-after-read)
       if (cp.j == J - 1) {  // the group's last step: sums out, accumulators zeroed
 #pragma unroll
         for (int q = 0; q < NC; ++q) {
@@ -224,11 +234,11 @@ __global__ void __launch_bounds__(W * 32, MINB) gemv_fp16_rows_kernel(float* __r
 }
 
 // One instance of the rows kernel: its ring's bytes and its resident grid (once per instance).
-template <int R, int S, int NC, int W, int MINB>
+template <int R, int S, int NC, int W, int MINB, bool EXACT>
 cudaError_t launch_rows(const char* what, float* out, const half* x, const half* w, int n, int k,
                         int nc, cudaStream_t stream) {
   constexpr int kSmem = W * S * R * 32 * 16;
-  auto kern = gemv_fp16_rows_kernel<R, S, NC, W, MINB>;
+  auto kern = gemv_fp16_rows_kernel<R, S, NC, W, MINB, EXACT>;
   static const cudaError_t attr = set_max_smem(kern, kSmem);
   if (attr != cudaSuccess) return smem_refused(attr, what, kSmem);
   static const int resident = [&] {
@@ -266,18 +276,40 @@ cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k,
   const int warps = (n + kRows - 1) / kRows;
   const dim3 grid((warps + kWarps - 1) / kWarps);
   // one column: the decode step's instance; 2-4: the same kernel for 4 columns (x reloaded per
-  // column, at the copy rate up to 4); 5-16: the rows kernel (4 rows a warp to 8 columns, 2 to
-  // 16: its accumulators are R*NC*2 registers). Each column's sums run as in the one-column
-  // instance.
-  const cudaError_t e =
-      cols == 1  ? launch_pdl("gemv_fp16_kernel", gemv_fp16_kernel<kRows, kUnroll, 1>, grid,
-                              dim3(kThreads), 0, stream, logits, x, w, n, k, cols)
-      : cols <= 4 ? launch_pdl("gemv_fp16_kernel<4 columns>", gemv_fp16_kernel<kRows, kUnroll, 4>,
-                               grid, dim3(kThreads), 0, stream, logits, x, w, n, k, cols)
-      : cols <= 8 ? launch_rows<4, 4, 8, 8, 2>("gemv_fp16_rows_kernel<8 columns>", logits, x, w,
-                                               n, k, cols, stream)
-                  : launch_rows<2, 6, 16, 8, 1>("gemv_fp16_rows_kernel<16 columns>", logits, x, w,
-                                                n, k, cols, stream);
+  // column, within 7% of the one-column time up to 4); 5-8: the rows kernel, 4 rows a warp, one
+  // instance per column count; 9-16: the rows kernel for up to 16 columns, 4 rows a warp
+  // (lab/lm_head_cols.py, session 30: 2 rows a warp was no faster than one at 16 columns). Each
+  // column's sums run as in the one-column instance.
+  cudaError_t e;
+  switch (cols) {
+    case 1:
+      e = launch_pdl("gemv_fp16_kernel", gemv_fp16_kernel<kRows, kUnroll, 1>, grid,
+                     dim3(kThreads), 0, stream, logits, x, w, n, k, cols);
+      break;
+    case 2: case 3: case 4:
+      e = launch_pdl("gemv_fp16_kernel<4 columns>", gemv_fp16_kernel<kRows, kUnroll, 4>, grid,
+                     dim3(kThreads), 0, stream, logits, x, w, n, k, cols);
+      break;
+    case 5:
+      e = launch_rows<4, 4, 5, 8, 2, true>("gemv_fp16_rows_kernel<5 columns>", logits, x, w, n, k,
+                                           cols, stream);
+      break;
+    case 6:
+      e = launch_rows<4, 4, 6, 8, 2, true>("gemv_fp16_rows_kernel<6 columns>", logits, x, w, n, k,
+                                           cols, stream);
+      break;
+    case 7:
+      e = launch_rows<4, 4, 7, 8, 2, true>("gemv_fp16_rows_kernel<7 columns>", logits, x, w, n, k,
+                                           cols, stream);
+      break;
+    case 8:
+      e = launch_rows<4, 4, 8, 8, 2, true>("gemv_fp16_rows_kernel<8 columns>", logits, x, w, n, k,
+                                           cols, stream);
+      break;
+    default:
+      e = launch_rows<4, 4, 16, 8, 1, false>("gemv_fp16_rows_kernel<16 columns>", logits, x, w, n,
+                                             k, cols, stream);
+  }
   if (e == cudaSuccess) return e;
   return nq_fail(e, "gemv_fp16: n=%d k=%d cols=%d: %s", n, k, cols, last_error_message());
 }
