@@ -1,6 +1,7 @@
 """compute-sanitizer memcheck, racecheck and synccheck of attention_decode and attention_prefill
-at partial-page lengths (this file, run as a script under the sanitizer), clean. Skipped where
-compute-sanitizer is absent."""
+at partial-page lengths, and of gemv_fp16's rows kernel (the verify step's lm_head at 5-16
+columns: a per-warp cp.async ring) at ragged shapes (this file, run as a script under the
+sanitizer), clean. Skipped where compute-sanitizer is absent."""
 
 from __future__ import annotations
 
@@ -18,15 +19,24 @@ pytestmark = [pytest.mark.cuda, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def sanitizer_cmd(tool: str, script: Path) -> list[str]:
+def sanitizer_cmd(tool: str, script: Path, kernels: str = "attn_", *args: str) -> list[str]:
     exe = shutil.which("compute-sanitizer") or (
         "/usr/local/cuda/bin/compute-sanitizer"
         if os.path.exists("/usr/local/cuda/bin/compute-sanitizer") else None)
     if exe is None:
         pytest.skip("compute-sanitizer not installed")
-    # only our attention kernels are instrumented (torch's own kernels are not under test)
-    return [exe, "--tool", tool, "--error-exitcode", "99", "--kernel-name", "kns=attn_",
-            sys.executable, str(script)]
+    # only the kernels under test are instrumented (torch's own kernels are not under test)
+    return [exe, "--tool", tool, "--error-exitcode", "99", "--kernel-name", f"kns={kernels}",
+            sys.executable, str(script), *args]
+
+
+def _check(tool: str, r: subprocess.CompletedProcess) -> None:
+    out = r.stdout + r.stderr
+    print(out if len(out) <= 12000 else out[:6000] + "\n[...]\n" + out[-6000:])
+    assert r.returncode == 0, f"{tool} exit {r.returncode}"
+    assert "ERROR SUMMARY: 0 errors" in out or tool == "racecheck"
+    if tool == "racecheck":
+        assert "RACECHECK SUMMARY: 0 hazards" in out
 
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
@@ -39,12 +49,44 @@ def test_attention_decode_sanitizer_clean(tool):
     this file run as a script."""
     r = subprocess.run(sanitizer_cmd(tool, Path(__file__)), capture_output=True, text=True,
                        timeout=400)
-    out = r.stdout + r.stderr
-    print(out if len(out) <= 12000 else out[:6000] + "\n[...]\n" + out[-6000:])
-    assert r.returncode == 0, f"{tool} exit {r.returncode}"
-    assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr or tool == "racecheck"
-    if tool == "racecheck":
-        assert "RACECHECK SUMMARY: 0 hazards" in r.stdout + r.stderr
+    _check(tool, r)
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+def test_gemv_fp16_rows_sanitizer_clean(tool):
+    """gemv_fp16's rows kernel (5-8 columns exactly, 9-16 with a runtime count): each lane's
+    cp.async ring slots refilled after it read them, rows past n clamped to row n-1 for the
+    copies and never stored, lanes without a chunk (k = 8, 264, 896) copying nothing; the
+    outputs bit-identical to one-column calls: this file run as a script with "rows"."""
+    r = subprocess.run(sanitizer_cmd(tool, Path(__file__), "gemv_fp16_rows", "rows"),
+                       capture_output=True, text=True, timeout=400)
+    _check(tool, r)
+
+
+def _run_gemv_fp16_rows() -> int:
+    """Standalone body for the sanitizer: gemv_fp16 at 5-16 columns against one-column calls,
+    bit for bit (test_verify.py's property), at shapes small enough for the instrumented run;
+    exits non-zero if any column differs."""
+    from nanoqwen.engine.build import load_extension
+
+    load_extension()
+    ops = torch.ops.nanoqwen
+    ok = True
+    for n, k in ((2053, 3584), (4099, 896), (1001, 264), (37, 8), (3, 3584)):
+        g = torch.Generator(device="cuda").manual_seed(n + k)
+        w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).half()
+        x = torch.randn(16, k, generator=g, device="cuda").half()
+        ones = torch.empty(16, n, device="cuda")
+        for c in range(16):
+            ops.gemv_fp16(ones[c], x[c], w)
+        for cols in (5, 6, 7, 8, 9, 16):
+            out = torch.full((cols, n), float("nan"), device="cuda")
+            ops.gemv_fp16(out, x[:cols].contiguous(), w)
+            same = bool(torch.equal(out, ones[:cols]))
+            print(f"gemv_fp16 n={n} k={k} cols={cols}: columns equal to one-column calls {same}")
+            ok &= same
+    torch.cuda.synchronize()
+    return 0 if ok else 1
 
 
 def _run_attention_decode() -> int:
@@ -123,4 +165,4 @@ def _run_attention_decode() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_run_attention_decode())
+    sys.exit(_run_gemv_fp16_rows() if sys.argv[1:] == ["rows"] else _run_attention_decode())
