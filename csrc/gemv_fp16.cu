@@ -14,6 +14,8 @@
 // The verify step's 5-16 columns take gemv_fp16_rows_kernel (below): one warp a row costs every
 // column an x load and 8 conversions per 8 weights, which bound that instance past 4 columns
 // (599 us at 8 against 342 at one, RESULTS.md session 15).
+#include <type_traits>
+
 #include "common.cuh"
 #include "gemv.h"
 
@@ -137,8 +139,67 @@ struct RowWalk {  // a warp's position: row group g, step j (chunk lane + 32 j) 
   }
 };
 
-// EXACT: exactly NC columns (nc is NC), so no column loop has a runtime exit (measured 6-8%
-// faster at 5 and 8 columns than the runtime-nc instance, lab/lm_head_cols.py, session 30).
+// One step of a warp's R rows: chunk c (< C) of each row, wget(r) returning row r's 16 bytes,
+// against nc columns of x (x4: [nc, C] chunks), into the one-column instance's two chains per
+// (column, row). EXACT: nc is NC, and every column's x chunk is loaded before the first FMA
+// (no runtime column count: measured 6-8% faster at 5 and 8 columns, 17% at 12, than an
+// instance with one; lab/lm_head_cols.py, session 30).
+template <int R, int NC, bool EXACT, class WGet>
+__device__ __forceinline__ void rows_step(WGet wget, const uint4* __restrict__ x4, int C, int c,
+                                          int nc, float (&acc0)[NC][R], float (&acc1)[NC][R]) {
+  uint4 xr[EXACT ? NC : 1];
+  if constexpr (EXACT) {
+#pragma unroll
+    for (int q = 0; q < NC; ++q) xr[q] = __ldg(x4 + (size_t)q * C + c);
+  }
+  float wf[R][8];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const uint4 v = wget(r);
+    const float2 a = h2f(v.x), b = h2f(v.y), d = h2f(v.z), e = h2f(v.w);
+    wf[r][0] = a.x; wf[r][1] = a.y; wf[r][2] = b.x; wf[r][3] = b.y;
+    wf[r][4] = d.x; wf[r][5] = d.y; wf[r][6] = e.x; wf[r][7] = e.y;
+  }
+#pragma unroll
+  for (int q = 0; q < NC; ++q) {
+    if (!EXACT && q >= nc) break;  // warp-uniform
+    const uint4 xv = EXACT ? xr[EXACT ? q : 0] : __ldg(x4 + (size_t)q * C + c);
+    const float2 x0 = h2f(xv.x), x1 = h2f(xv.y), x2 = h2f(xv.z), x3 = h2f(xv.w);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {  // the one-column instance's order
+      acc0[q][r] = fmaf(wf[r][0], x0.x, acc0[q][r]);
+      acc1[q][r] = fmaf(wf[r][1], x0.y, acc1[q][r]);
+      acc0[q][r] = fmaf(wf[r][2], x1.x, acc0[q][r]);
+      acc1[q][r] = fmaf(wf[r][3], x1.y, acc1[q][r]);
+      acc0[q][r] = fmaf(wf[r][4], x2.x, acc0[q][r]);
+      acc1[q][r] = fmaf(wf[r][5], x2.y, acc1[q][r]);
+      acc0[q][r] = fmaf(wf[r][6], x3.x, acc0[q][r]);
+      acc1[q][r] = fmaf(wf[r][7], x3.y, acc1[q][r]);
+    }
+  }
+}
+
+// A row group's end: per (column, row) acc0 + acc1 and the xor butterfly 16, 8, 4, 2, 1 (the
+// one-column instance's end, whose code is left as it was measured), stored by lane r (rows
+// past n are not); the accumulators zeroed. 1 <= nc <= NC.
+template <int R, int NC>
+__device__ __forceinline__ void rows_finish(float* __restrict__ out, int n, int nc, int g,
+                                            int lane, float (&acc0)[NC][R],
+                                            float (&acc1)[NC][R]) {
+#pragma unroll
+  for (int q = 0; q < NC; ++q) {
+    if (NC > 1 && q >= nc) break;  // warp-uniform
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float v = acc0[q][r] + acc1[q][r];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+      if (lane == r && g * R + r < n) out[(size_t)q * n + g * R + r] = v;
+      acc0[q][r] = acc1[q][r] = 0.f;
+    }
+  }
+}
+
 template <int R, int S, int NC, int W, int MINB, bool EXACT>
 __global__ void __launch_bounds__(W * 32, MINB) gemv_fp16_rows_kernel(float* __restrict__ out,
                                                                       const half* __restrict__ x,
@@ -180,53 +241,11 @@ __global__ void __launch_bounds__(W * 32, MINB) gemv_fp16_rows_kernel(float* __r
       if (cp.g >= ngroups) break;
       const int c = lane + 32 * cp.j;
       cp_async_wait<S - 1>();  // the oldest of S pending groups, slot u's, has landed
-      if (c < C) {
-        uint4 xr[EXACT ? NC : 1];  // EXACT: every column's x chunk loaded before the first FMA
-        if constexpr (EXACT) {
-#pragma unroll
-          for (int q = 0; q < NC; ++q) xr[q] = __ldg(x4 + (size_t)q * C + c);
-        }
-        float wf[R][8];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const uint4 v = my[(u * R + r) * 32];
-          const float2 a = h2f(v.x), b = h2f(v.y), d = h2f(v.z), e = h2f(v.w);
-          wf[r][0] = a.x; wf[r][1] = a.y; wf[r][2] = b.x; wf[r][3] = b.y;
-          wf[r][4] = d.x; wf[r][5] = d.y; wf[r][6] = e.x; wf[r][7] = e.y;
-        }
-#pragma unroll
-        for (int q = 0; q < NC; ++q) {
-          if (q >= nc) break;  // warp-uniform (never taken when EXACT)
-          const uint4 xv = EXACT ? xr[EXACT ? q : 0] : __ldg(x4 + (size_t)q * C + c);
-          const float2 x0 = h2f(xv.x), x1 = h2f(xv.y), x2 = h2f(xv.z), x3 = h2f(xv.w);
-#pragma unroll
-          for (int r = 0; r < R; ++r) {  // the one-column instance's order
-            acc0[q][r] = fmaf(wf[r][0], x0.x, acc0[q][r]);
-            acc1[q][r] = fmaf(wf[r][1], x0.y, acc1[q][r]);
-            acc0[q][r] = fmaf(wf[r][2], x1.x, acc0[q][r]);
-            acc1[q][r] = fmaf(wf[r][3], x1.y, acc1[q][r]);
-            acc0[q][r] = fmaf(wf[r][4], x2.x, acc0[q][r]);
-            acc1[q][r] = fmaf(wf[r][5], x2.y, acc1[q][r]);
-            acc0[q][r] = fmaf(wf[r][6], x3.x, acc0[q][r]);
-            acc1[q][r] = fmaf(wf[r][7], x3.y, acc1[q][r]);
-          }
-        }
-      }
+      if (c < C)
+        rows_step<R, NC, EXACT>([&](int r) { return my[(u * R + r) * 32]; }, x4, C, c, nc, acc0,
+                                acc1);
       issue(u);  // refill after the slot's values were used (no same-thread write-after-read)
-      if (cp.j == J - 1) {  // the group's last step: sums out, accumulators zeroed
-#pragma unroll
-        for (int q = 0; q < NC; ++q) {
-          if (q >= nc) break;
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            float v = acc0[q][r] + acc1[q][r];
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-            if (lane == r && cp.g * R + r < n) out[(size_t)q * n + cp.g * R + r] = v;
-            acc0[q][r] = acc1[q][r] = 0.f;
-          }
-        }
-      }
+      if (cp.j == J - 1) rows_finish<R, NC>(out, n, nc, cp.g, lane, acc0, acc1);
       cp.next(J, gstride);
     }
   }
@@ -280,6 +299,11 @@ cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k,
   // instance per column count; 9-16: the rows kernel for up to 16 columns, 4 rows a warp
   // (lab/lm_head_cols.py, session 30: 2 rows a warp was no faster than one at 16 columns). Each
   // column's sums run as in the one-column instance.
+  // exactly NC columns (5-8): 4 rows a warp, a ring of 4 steps, 2 blocks an SM
+  auto exact = [&](auto nc) {
+    return launch_rows<4, 4, decltype(nc)::value, 8, 2, true>(
+        "gemv_fp16_rows_kernel<exactly 5-8 columns>", logits, x, w, n, k, cols, stream);
+  };
   cudaError_t e;
   switch (cols) {
     case 1:
@@ -290,22 +314,10 @@ cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k,
       e = launch_pdl("gemv_fp16_kernel<4 columns>", gemv_fp16_kernel<kRows, kUnroll, 4>, grid,
                      dim3(kThreads), 0, stream, logits, x, w, n, k, cols);
       break;
-    case 5:
-      e = launch_rows<4, 4, 5, 8, 2, true>("gemv_fp16_rows_kernel<5 columns>", logits, x, w, n, k,
-                                           cols, stream);
-      break;
-    case 6:
-      e = launch_rows<4, 4, 6, 8, 2, true>("gemv_fp16_rows_kernel<6 columns>", logits, x, w, n, k,
-                                           cols, stream);
-      break;
-    case 7:
-      e = launch_rows<4, 4, 7, 8, 2, true>("gemv_fp16_rows_kernel<7 columns>", logits, x, w, n, k,
-                                           cols, stream);
-      break;
-    case 8:
-      e = launch_rows<4, 4, 8, 8, 2, true>("gemv_fp16_rows_kernel<8 columns>", logits, x, w, n, k,
-                                           cols, stream);
-      break;
+    case 5: e = exact(std::integral_constant<int, 5>{}); break;
+    case 6: e = exact(std::integral_constant<int, 6>{}); break;
+    case 7: e = exact(std::integral_constant<int, 7>{}); break;
+    case 8: e = exact(std::integral_constant<int, 8>{}); break;
     default:
       e = launch_rows<4, 4, 16, 8, 1, false>("gemv_fp16_rows_kernel<16 columns>", logits, x, w, n,
                                              k, cols, stream);

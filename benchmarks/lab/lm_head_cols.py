@@ -18,6 +18,9 @@ the copy rate: 345-380 us at 5-8 columns, and at 16 columns (R = 2, 16 FMAs a we
 FMA issue alone) 420-520 us. The register-ring variants keep only R*U*512 B a warp in flight with
 1-2 blocks an SM, which may not cover DRAM's latency; the cp.async rings hold 64-128 KB an SM
 without registers, so a ring variant is expected to win at 8 columns. Every column bit-identical.
+Measured (session 30, H100; RESULTS.md): every column bit-identical; the best at 8 columns 402 us
+(the exactly-NC ring, now the product's), at 16 columns 907 (4 rows a warp; 2 rows: 1245, no
+better than csrc's one row a warp). The prediction missed at both.
 """
 
 from __future__ import annotations
