@@ -5,13 +5,13 @@
 # PRESETS, and one table: the decode step, t(2), t(4), t(8) and the mean of t(k)/t_A(k) over
 # k = 2..8 per preset and variant. TESTS=<patch> then applies that patch and runs all of
 # tests/gpu (TESTS=A: this tree). KERNELS=1 (the default) adds `bench_verify.py --kernels` at the
-# 7B on this tree: each kernel's GPU time per eager step. JSONs in $OUT/results_columns_<commit>.tgz, the log beside it.
+# 7B on this tree: each kernel's GPU time per eager step, PDL off. JSONs in $OUT/results_columns_<commit>.tgz, the log beside it.
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> [PRESETS="3b 7b 14b 32b"] [REPS=10] \
 #     [PATCHES="benchmarks/attempts/verify-gateup-same-waves.patch ..."] [TESTS=A|<patch>] \
 #     bash benchmarks/verify_columns_gpu.sh                                     (carry .whl)
 source benchmarks/device_prelude.sh
 PRESETS=${PRESETS:-3b 7b 14b 32b}
-PATCHES=${PATCHES:-benchmarks/attempts/verify-gateup-same-waves.patch benchmarks/attempts/verify-stage-unroll2.patch}
+PATCHES=${PATCHES:-benchmarks/attempts/verify-gateup-same-waves.patch benchmarks/attempts/verify-stage-unroll2.patch benchmarks/attempts/verify-rope-kv-only.patch}
 build() { timeout 200 python3 -c "from nanoqwen.engine.build import load_extension; print(load_extension())" 2>&1 | tail -1; }
 verify() {   # variant name: bench_verify for every preset, the decode and t(k) lines only
   for m in $PRESETS; do
@@ -25,8 +25,8 @@ source benchmarks/device_setup.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 verify A
 if [ "${KERNELS:-1}" = 1 ]; then   # where this tree's verify step spends its time (7B, eager)
-  t "A: bench_verify --kernels (7b)"
-  timeout 200 python3 benchmarks/bench_verify.py --preset 7b --reps 10 --kernels \
+  t "A: bench_verify --kernels (7b, NANOQWEN_PDL=0: with PDL the profiler counts each kernel's wait)"
+  NANOQWEN_PDL=0 timeout 200 python3 benchmarks/bench_verify.py --preset 7b --reps 10 --kernels \
     --json "$R/verify_kernels_7b_A.json" 2>&1 | sed -n '/GPU time per eager step/,$p' | head -40
 fi
 for p in $PATCHES; do
