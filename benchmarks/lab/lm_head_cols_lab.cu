@@ -20,6 +20,7 @@
 // column's x loaded first with a runtime count (d1e20b3's ringX_*), measured no better than
 // without and is in that commit only.
 #include "gemv_fp16.cu"
+#include "lab_common.cuh"
 
 namespace nanoqwen {
 namespace {
@@ -72,16 +73,6 @@ __global__ void __launch_bounds__(W * 32) lm_head_cols_regs(float* __restrict__ 
   }
 }
 
-int sms() {
-  static int v = [] {
-    int dev = 0, s = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&s, cudaDevAttrMultiProcessorCount, dev);
-    return s;
-  }();
-  return v;
-}
-
 // P = 0: every row group once (one group a warp); P = 1: the resident blocks only (persistent,
 // each warp's loads running across its groups)
 template <int R, int U, int NC, int W, int P>
@@ -91,7 +82,7 @@ cudaError_t launch_regs(float* out, const half* x, const half* w, int n, int k, 
   const int blocks = ((n + R - 1) / R + W - 1) / W;
   int per_sm = 1;
   if (P) cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, W * 32, 0);
-  const dim3 grid(P ? std::min(blocks, std::max(per_sm, 1) * sms()) : blocks);
+  const dim3 grid(P ? std::min(blocks, std::max(per_sm, 1) * lab::num_sms()) : blocks);
   return launch_pdl("lm_head_cols_regs", kern, grid, dim3(W * 32), 0, s, out, x, w, n, k, nc);
 }
 
