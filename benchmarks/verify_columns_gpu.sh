@@ -5,13 +5,15 @@
 # PRESETS, and one table: the decode step, t(2), t(4), t(8) and the mean of t(k)/t_A(k) over
 # k = 2..8 per preset and variant. TESTS=<patch> then applies that patch and runs all of
 # tests/gpu (TESTS=A: this tree). KERNELS=1 (the default) adds `bench_verify.py --kernels` at the
-# 7B on this tree: each kernel's GPU time per eager step, PDL off. JSONs in $OUT/results_columns_<commit>.tgz, the log beside it.
+# 7B on this tree: each kernel's GPU time per eager step, PDL off. PRETESTS="<pytest args>" runs
+# those tests on this tree first. JSONs in $OUT/results_columns_<commit>.tgz, the log beside it.
 #   NANOQWEN_COMMIT=<git rev-parse --short HEAD> [PRESETS="3b 7b 14b 32b"] [REPS=10] \
 #     [PATCHES="benchmarks/attempts/verify-gateup-same-waves.patch ..."] [TESTS=A|<patch>] \
+#     [PRETESTS="tests/gpu/test_verify.py"] \
 #     bash benchmarks/verify_columns_gpu.sh                                     (carry .whl)
 source benchmarks/device_prelude.sh
 PRESETS=${PRESETS:-3b 7b 14b 32b}
-PATCHES=${PATCHES:-benchmarks/attempts/verify-gateup-same-waves.patch benchmarks/attempts/verify-stage-unroll2.patch benchmarks/attempts/verify-rope-kv-only.patch}
+PATCHES=${PATCHES-benchmarks/attempts/verify-gateup-same-waves.patch benchmarks/attempts/verify-stage-unroll2.patch}
 build() { timeout 200 python3 -c "from nanoqwen.engine.build import load_extension; print(load_extension())" 2>&1 | tail -1; }
 verify() {   # variant name: bench_verify for every preset, the decode and t(k) lines only
   for m in $PRESETS; do
@@ -23,6 +25,9 @@ verify() {   # variant name: bench_verify for every preset, the decode and t(k) 
 {
 source benchmarks/device_setup.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+if [ -n "${PRETESTS:-}" ]; then   # quick correctness on this tree before any figure
+  t "pytest $PRETESTS"; timeout 300 python3 -m pytest $PRETESTS -q --tb=short -p no:cacheprovider 2>&1 | tail -8
+fi
 verify A
 if [ "${KERNELS:-1}" = 1 ]; then   # where this tree's verify step spends its time (7B, eager)
   t "A: bench_verify --kernels (7b, NANOQWEN_PDL=0: with PDL the profiler counts each kernel's wait)"

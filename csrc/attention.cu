@@ -8,6 +8,11 @@
 // default since session 20: faster at every context measured, RESULTS.md) and the cp.async
 // kernel this header describes (NANOQWEN_ATTN_TMA=0, the A/B).
 //
+// attention_verify (the speculative verify step) is the same kernels with MQ: a query per
+// blockIdx.z, its own K/V rows (and those of the step's earlier queries) computed by each block
+// from qkv as the decode step computes its one fresh row (attn_decode_kernel's MQ note). It
+// replaced rope_kv_write + the same attention reading them from the cache (RESULTS.md, session 31).
+//
 // Grid (n_kv, num_splits), 4 warps a block; the block of kv head h serves the G = n_heads/n_kv
 // query heads that read h, so each K/V row is loaded once for all of them. Split s of kv head h
 // takes pages [s*pps, s*pps + pps) with pps = max(ceil(pages / num_splits), min_pps) (min_pps,
@@ -87,9 +92,11 @@ __device__ __forceinline__ void query_slices(const half* __restrict__& qkv,
 // (at least min_pps), n_active splits with pages; pages [p_begin, p_end) (np of them) and tokens
 // below t_end are this block's; new_t = p where this block holds pos and pos is in the table
 // (its k/v row is written by this block), else -1; p_tab the RoPE table row of p (clamped).
-// Reads only pos_ptr, written >= 2 launches back (before griddep_wait in the decode step).
+// MQ (the verify step): the span's tokens [f_lo, t_end) (nf of them, 0..kMaxVerifyQueries) are
+// the step's own positions pos[0].. (verify_fresh_kv); new_t is -1.
+// Reads only pos_ptr, written >= 2 launches back (before griddep_wait).
 struct SplitSpan {
-  int p, n_pages, n_active, p_begin, p_end, np, t_end, new_t, p_tab;
+  int p, n_pages, n_active, p_begin, p_end, np, t_end, new_t, p_tab, f_lo, nf;
 };
 template <bool MQ>
 __device__ __forceinline__ SplitSpan split_span(const int32_t* pos_ptr, int table_len,
@@ -108,6 +115,8 @@ __device__ __forceinline__ SplitSpan split_span(const int32_t* pos_ptr, int tabl
   const bool in_cache = s.p >= 0 && s.p < cap;
   s.new_t = !MQ && in_cache && s.p >= s.p_begin * kPageSize && s.p < s.t_end ? s.p : -1;
   s.p_tab = s.p < 0 ? 0 : (s.p < cap ? s.p : cap - 1);
+  s.f_lo = max(pos_ptr[0], s.p_begin * kPageSize);  // t_end <= the table's end: all in the cache
+  s.nf = MQ ? max(s.t_end - s.f_lo, 0) : 0;
   return s;
 }
 
@@ -177,6 +186,63 @@ __device__ __forceinline__ void write_fresh_kv(half* __restrict__ k_cache,
     const half v = xv[d];
     v_cache[slot + d] = v;
     s_vnew[d] = v;
+  }
+}
+
+// The verify step's own positions in this split block's span (MQ: SplitSpan's [f_lo, f_lo + nf),
+// positions pos0 + r of the step, their K/V not yet in the cache): k rotated as rope_kv_write
+// rounds it and v as is, from qkv row t - pos0 (qkv0: the step's row 0), into s_knew / s_vnew
+// [t - f_lo][HD] for the page loop and, where `write` (the blocks of the last query: their splits
+// cover each of the step's positions exactly once), into the cache. 8 dims (16 bytes) a thread
+// and item. All NT threads call it; no barrier inside.
+template <int HD, int NT>
+__device__ __forceinline__ void verify_fresh_kv(half* __restrict__ k_cache,
+                                                half* __restrict__ v_cache, half* s_knew,
+                                                half* s_vnew, const half* __restrict__ qkv0,
+                                                const float* __restrict__ cos_table,
+                                                const float* __restrict__ sin_table,
+                                                const int32_t* __restrict__ page_table, int pos0,
+                                                int f_lo, int nf, bool write, int kvh,
+                                                int n_heads, int n_kv) {
+  constexpr int half_d = HD / 2, KC = half_d / 8, VC = HD / 8;  // 8-dim items a row
+  const size_t row = (size_t)(n_heads + 2 * n_kv) * HD;
+  auto slot = [&](int t) {
+    return ((size_t)page_table[t / kPageSize] * kPageSize + t % kPageSize) *
+               ((size_t)n_kv * HD) + (size_t)kvh * HD;
+  };
+  for (int i = threadIdx.x; i < nf * (KC + VC); i += NT) {
+    if (i < nf * KC) {  // 8 rotated pairs (d, d + HD/2) of k
+      const int r = i / KC, d = (i % KC) * 8, t = f_lo + r;
+      const half* xk = qkv0 + (size_t)(t - pos0) * row + (size_t)(n_heads + kvh) * HD;
+      const uint4 ua = *reinterpret_cast<const uint4*>(xk + d);
+      const uint4 ub = *reinterpret_cast<const uint4*>(xk + d + half_d);
+      const float4* cs = reinterpret_cast<const float4*>(cos_table + (size_t)t * half_d + d);
+      const float4* sn = reinterpret_cast<const float4*>(sin_table + (size_t)t * half_d + d);
+      const float4 c0 = cs[0], c1 = cs[1], s0 = sn[0], s1 = sn[1];
+      const float c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+      const float s[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+      const half* a = reinterpret_cast<const half*>(&ua);
+      const half* b = reinterpret_cast<const half*>(&ub);
+      __align__(16) half lo[8], hi[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        rope_pair(__half2float(a[e]), __half2float(b[e]), c[e], s[e], lo[e], hi[e]);
+      const uint4 ulo = *reinterpret_cast<const uint4*>(lo);
+      const uint4 uhi = *reinterpret_cast<const uint4*>(hi);
+      *reinterpret_cast<uint4*>(s_knew + r * HD + d) = ulo;
+      *reinterpret_cast<uint4*>(s_knew + r * HD + d + half_d) = uhi;
+      if (write) {
+        half* ko = k_cache + slot(t);
+        *reinterpret_cast<uint4*>(ko + d) = ulo;
+        *reinterpret_cast<uint4*>(ko + d + half_d) = uhi;
+      }
+    } else {  // 8 dims of v
+      const int j = i - nf * KC, r = j / VC, d = (j % VC) * 8, t = f_lo + r;
+      const uint4 u = *reinterpret_cast<const uint4*>(
+          qkv0 + (size_t)(t - pos0) * row + (size_t)(n_heads + n_kv + kvh) * HD + d);
+      *reinterpret_cast<uint4*>(s_vnew + r * HD + d) = u;
+      if (write) *reinterpret_cast<uint4*>(v_cache + slot(t) + d) = u;
+    }
   }
 }
 
@@ -310,12 +376,15 @@ __device__ __forceinline__ void finish_split(half* __restrict__ out, float* __re
   if (tid == 0) counters[kvh] = 0;  // every active block of this kv head has counted
 }
 
-// MQ (the verify step, attention_decode_cached): blockIdx.z = query i at position pos + i, its
-// q from row i of qkv [T, q + 2kv], its out / ws / counters slices its own; the K/V of every
-// position, the query's own included, are already in the cache (rope_kv_write, the launch just
-// before: so the page copies wait for griddep_wait). Otherwise the block computes exactly what
-// the decode step's block computes at that position (same splits, same order), so each query's
-// output is bit-identical to attention_decode's there.
+// MQ (the verify step, attention_verify): blockIdx.z = query i at position pos + i, its
+// q from row i of qkv [T, q + 2kv], its out / ws / counters slices its own. The K/V of positions
+// below pos are in the cache; those of the step's own positions pos .. pos + i in the block's
+// span are not yet: the block computes them from qkv (verify_fresh_kv, after the wait) and its
+// page loop takes them from there instead of the ring's stale copy, as the decode step does for
+// its one row, so the page copies still start before griddep_wait; the blocks of the last query
+// write them to the cache. Otherwise the block computes exactly what the decode step's block
+// computes at that position (same splits, same order), so each query's output is bit-identical
+// to attention_decode's there.
 template <int HD, int G, bool MQ>
 __global__ void __launch_bounds__(kDecThreads)
 attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __restrict__ ws_ml,
@@ -338,8 +407,8 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
 
   __shared__ __align__(16) unsigned char s_raw[kRingBytes];
   __shared__ float s_q[G][HD];
-  __shared__ __align__(16) half s_knew[HD];
-  __shared__ __align__(16) half s_vnew[HD];
+  __shared__ __align__(16) half s_knew[(MQ ? kMaxVerifyQueries : 1) * HD];  // fresh rows
+  __shared__ __align__(16) half s_vnew[(MQ ? kMaxVerifyQueries : 1) * HD];
   __shared__ float s_wm[kDecWarps][G], s_wl[kDecWarps][G];
   __shared__ int s_last;
   half* ring = reinterpret_cast<half*>(s_raw);     // [stage][K|V][16][HD]
@@ -350,6 +419,7 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   constexpr int half_d = HD / 2;
 
+  const half* const qkv0 = qkv;  // the step's row 0 (MQ: verify_fresh_kv)
   query_slices<HD, MQ>(qkv, out, ws_acc, ws_ml, counters, n_heads, n_kv, num_splits);
   // ---- before griddep_wait: only data written >= 2 launches back ----
   const SplitSpan sp = split_span<MQ>(pos_ptr, table_len, num_splits, min_pps, split);
@@ -371,7 +441,6 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
       cp_async16(st + which * kPageHalves + row * HD + col, src);
     }
   };
-  if constexpr (MQ) griddep_wait();  // the new positions' K/V come from the launch just before
 #pragma unroll
   for (int i = 0; i < kDecStages - 1; ++i) {
     if (i < np) issue_page(i);
@@ -382,7 +451,7 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
   qrope.load(tid, cos_table, sin_table, p_tab);
 
   // ---- after the wait: qkv (the GEMV just before), cache writes, ws, counters ----
-  if constexpr (!MQ) griddep_wait();
+  griddep_wait();
   griddep_launch_dependents();
 
   qrope.rotate(tid, qkv, head0, [&](int g, int d, half lo, half hi) {
@@ -392,6 +461,11 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
   if (new_t >= 0)  // block-uniform: this split holds pos, and pos is inside the table
     write_fresh_kv<HD, kDecThreads>(k_cache, v_cache, s_knew, s_vnew, qkv, cos_table, sin_table,
                                     page_table, p, p_tab, kvh, n_heads, n_kv);
+  if constexpr (MQ)
+    if (sp.nf > 0)  // block-uniform
+      verify_fresh_kv<HD, kDecThreads>(k_cache, v_cache, s_knew, s_vnew, qkv0, cos_table,
+                                       sin_table, page_table, p - (int)blockIdx.z, sp.f_lo, sp.nf,
+                                       blockIdx.z == gridDim.z - 1, kvh, n_heads, n_kv);
   __syncthreads();  // s_q, s_knew, s_vnew
 
   const int grp = lane / LPR, col = (lane % LPR) * 8;
@@ -423,10 +497,12 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
       const int slot = j * kDecWarps * RPW + warp * RPW + grp;
       const int t = t0 + slot;
       valid[j] = t < t_end;
-      const bool fresh = t == new_t;
-      const uint4 ku = *reinterpret_cast<const uint4*>(fresh ? s_knew + col : st + slot * HD + col);
+      // the fresh row(s): the decode step's at new_t, the verify step's from f_lo (MQ)
+      const bool fresh = MQ ? valid[j] && t >= sp.f_lo : t == new_t;
+      const int fr = MQ ? (t - sp.f_lo) * HD + col : col;
+      const uint4 ku = *reinterpret_cast<const uint4*>(fresh ? s_knew + fr : st + slot * HD + col);
       const uint4 vu = *reinterpret_cast<const uint4*>(
-          fresh ? s_vnew + col : st + kPageHalves + slot * HD + col);
+          fresh ? s_vnew + fr : st + kPageHalves + slot * HD + col);
       half8_to_float(kf[j], ku);
       half8_to_float(vf[j], vu);
 #pragma unroll
@@ -608,8 +684,8 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
   unsigned char* const s_ring = s_dyn + ((1024u - (smem_u32(s_dyn) & 1023u)) & 1023u);
   __shared__ __align__(8) uint64_t s_full[kTmaStages], s_empty[kTmaStages];
   __shared__ __align__(16) half s_qh[G][HD];
-  __shared__ __align__(16) half s_knew[HD];
-  __shared__ __align__(16) half s_vnew[HD];
+  __shared__ __align__(16) half s_knew[(MQ ? kMaxVerifyQueries : 1) * HD];  // fresh rows
+  __shared__ __align__(16) half s_vnew[(MQ ? kMaxVerifyQueries : 1) * HD];
   __shared__ float s_wm[kTmaConsumers][G], s_wl[kTmaConsumers][G];
   __shared__ int s_last;
 
@@ -617,6 +693,7 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
   const int head0 = kvh * G;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   constexpr int half_d = HD / 2;
+  const half* const qkv0 = qkv;  // the step's row 0 (MQ: verify_fresh_kv)
   query_slices<HD, MQ>(qkv, out, ws_acc, ws_ml, counters, n_heads, n_kv, num_splits);
   // ---- before griddep_wait: only data written >= 2 launches back (as attn_decode_kernel) ----
   const SplitSpan sp = split_span<MQ>(pos_ptr, table_len, num_splits, min_pps, split);
@@ -637,7 +714,7 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
   // The producer's page ids, 32 at a time in its lanes (lane l: page p_begin + w + l of window w),
   // the next window loaded a window ahead: a page-table load per page, dependent and in the
   // producer's serial loop, cost an L2 latency per page (the first GPU run: 40 us at 32768).
-  // Read before griddep_wait in the decode step (the table is written >= 2 launches back).
+  // Read before griddep_wait (the table is written >= 2 launches back).
   int win = 0, nxt = 0;
   auto load_windows = [&] {
     win = lane < np ? page_table[p_begin + lane] : 0;
@@ -665,7 +742,6 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
     }
     __syncwarp();
   };
-  if constexpr (MQ) griddep_wait();  // the new positions' K/V come from the launch just before
   if (producer) {  // warp-uniform; no block barrier inside
     if (lane == 0) {
       tma_prefetch_desc(&tm_k);
@@ -679,7 +755,7 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
   qrope.load(tid, cos_table, sin_table, p_tab);
 
   // ---- after the wait: qkv (the GEMV just before), cache writes, ws, counters ----
-  if constexpr (!MQ) griddep_wait();
+  griddep_wait();
   griddep_launch_dependents();
   qrope.rotate(tid, qkv, head0, [&](int g, int d, half lo, half hi) {
     s_qh[g][d] = lo;   // q as rope_kv_write would store it; the scale is applied to the scores
@@ -688,6 +764,11 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
   if (new_t >= 0)  // block-uniform: this split holds pos, and pos is inside the table
     write_fresh_kv<HD, kTmaThreads>(k_cache, v_cache, s_knew, s_vnew, qkv, cos_table, sin_table,
                                     page_table, sp.p, p_tab, kvh, n_heads, n_kv);
+  if constexpr (MQ)
+    if (sp.nf > 0)  // block-uniform
+      verify_fresh_kv<HD, kTmaThreads>(k_cache, v_cache, s_knew, s_vnew, qkv0, cos_table,
+                                       sin_table, page_table, sp.p - (int)blockIdx.z, sp.f_lo,
+                                       sp.nf, blockIdx.z == gridDim.z - 1, kvh, n_heads, n_kv);
   __syncthreads();  // s_qh, s_knew, s_vnew
 
   // consumer state: lane (gid, tig) of the m16n8 fragments holds head row gid (< G counts),
@@ -722,10 +803,22 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
       unsigned char* vst = st + Ring::kHalfBytes;
       const int t0 = (p_begin + i) * kPageSize;
       const int n_valid = min(kPageSize, t_end - t0);  // >= 1
-      const bool fresh = new_t >= t0 && new_t < t0 + kPageSize;
+      // the page's fresh rows: the decode step's at new_t; the verify step's (MQ) its rows
+      // [fa, n_valid) at or past f_lo, s_knew / s_vnew row t0 + r - f_lo
+      const int fa = MQ ? max(sp.f_lo - t0, 0) : 0;
+      const bool fresh = MQ ? fa < n_valid : new_t >= t0 && new_t < t0 + kPageSize;
       const bool patch = fresh || n_valid < kPageSize;  // warp-uniform
       if (patch) {
-        if (fresh) {
+        if constexpr (MQ) {
+          for (int c = lane; c < (n_valid - fa) * (HD / 8); c += 32) {  // none unless fresh
+            const int r = fa + c / (HD / 8), q = c % (HD / 8);
+            const int at = (t0 + r - sp.f_lo) * (HD / 8) + q;
+            *reinterpret_cast<uint4*>(st + Ring::at(r, q)) =
+                reinterpret_cast<const uint4*>(s_knew)[at];
+            *reinterpret_cast<uint4*>(vst + Ring::at(r, q)) =
+                reinterpret_cast<const uint4*>(s_vnew)[at];
+          }
+        } else if (fresh) {
           for (int q = lane; q < HD / 8; q += 32) {
             *reinterpret_cast<uint4*>(st + Ring::at(new_t - t0, q)) =
                 reinterpret_cast<const uint4*>(s_knew)[q];
@@ -919,17 +1012,17 @@ cudaError_t launch_attention(const char* fn, int T, half* out, float* ws_acc, fl
       static const cudaError_t attr =                                                          \
           set_max_smem(attn_decode_tma_kernel<HD, G, MQ>, TmaRing<HD>::kSmem);                 \
       if (attr != cudaSuccess)                                                                 \
-        return smem_refused(attr, MQ ? "attention_decode_cached<" #HD ", " #G ", tma>"         \
+        return smem_refused(attr, MQ ? "attention_verify<" #HD ", " #G ", tma>"         \
                                      : "attention_decode<" #HD ", " #G ", tma>",               \
                             TmaRing<HD>::kSmem);                                               \
-      e = launch_pdl(MQ ? "attention_decode_cached<" #HD ", " #G ", tma>"                     \
+      e = launch_pdl(MQ ? "attention_verify<" #HD ", " #G ", tma>"                     \
                         : "attention_decode<" #HD ", " #G ", tma>",                            \
                      attn_decode_tma_kernel<HD, G, MQ>, grid, dim3(kTmaThreads),               \
                      TmaRing<HD>::kSmem, stream, out, ws_acc, ws_ml, counters, qkv, k_cache,   \
                      v_cache, cos_table, sin_table, page_table, table_len, pos, n_heads, n_kv,  \
                      num_splits, min_pps, scale_log2, tm_k, tm_v);                             \
     } else {                                                                                   \
-      e = launch_pdl(MQ ? "attention_decode_cached<" #HD ", " #G ">"                          \
+      e = launch_pdl(MQ ? "attention_verify<" #HD ", " #G ">"                          \
                         : "attention_decode<" #HD ", " #G ">",                                 \
                      attn_decode_kernel<HD, G, MQ>, grid, dim3(kDecThreads), 0, stream, out,   \
                      ws_acc, ws_ml, counters, qkv, k_cache, v_cache, cos_table, sin_table,     \
@@ -975,17 +1068,15 @@ cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* co
                                  stream);
 }
 
-cudaError_t attention_decode_cached(half* out, float* ws_acc, float* ws_ml, int32_t* counters,
-                                    const half* qkv, const half* k_cache, const half* v_cache,
-                                    const float* cos_table, const float* sin_table,
-                                    const int32_t* page_table, int table_len, const int32_t* pos,
-                                    int T, int n_heads, int n_kv, int head_dim, int num_splits,
-                                    int min_pps, int kernel, float scale, cudaStream_t stream) {
-  // (the kernel writes the caches only when !MQ)
-  return launch_attention<true>("attention_decode_cached", T, out, ws_acc, ws_ml, counters, qkv,
-                                const_cast<half*>(k_cache), const_cast<half*>(v_cache),
-                                cos_table, sin_table, page_table, table_len, pos, n_heads, n_kv,
-                                head_dim, num_splits, min_pps, kernel, scale, stream);
+cudaError_t attention_verify(half* out, float* ws_acc, float* ws_ml, int32_t* counters,
+                             const half* qkv, half* k_cache, half* v_cache,
+                             const float* cos_table, const float* sin_table,
+                             const int32_t* page_table, int table_len, const int32_t* pos, int T,
+                             int n_heads, int n_kv, int head_dim, int num_splits, int min_pps,
+                             int kernel, float scale, cudaStream_t stream) {
+  return launch_attention<true>("attention_verify", T, out, ws_acc, ws_ml, counters, qkv, k_cache,
+                                v_cache, cos_table, sin_table, page_table, table_len, pos, n_heads,
+                                n_kv, head_dim, num_splits, min_pps, kernel, scale, stream);
 }
 
 }  // namespace nanoqwen

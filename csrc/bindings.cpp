@@ -1139,7 +1139,7 @@ class Engine : public torch::CustomClassHolder {
                  "verify: cudaGraphLaunch of the verify graph (T=" + std::to_string(T) + ")");
     else
       check_engine(nanoqwen::launch_verify(a_, vargs_, (int)T, stream_), "verify step");
-    return v_[6].narrow(0, 0, T);
+    return v_[5].narrow(0, 0, T);
   }
   std::string verify_note() { return vnote_; }
 
@@ -1255,22 +1255,22 @@ class Engine : public torch::CustomClassHolder {
   }
 
   // verify()'s buffers (engine.h VerifyArgs), kMaxVerify rows each, made at the first verify:
-  // ids, pos, hidden, xn, qkv, q, logits, attn, act, ws_acc, ws_ml, counters
+  // ids, pos, hidden, xn, qkv, logits, attn, act, ws_acc, ws_ml, counters
   void alloc_verify() {
     const int64_t M = nanoqwen::kMaxVerify, H = a_.H, I = a_.I, nh = a_.n_heads,
                   nkv = a_.n_kv, hd = a_.head_dim, S = a_.num_splits;
     const auto f = g_[3].options(), h = g_[4].options(), i = g_[17].options();
     v_ = {at::empty({M}, i), at::empty({1}, i), at::empty({M, H}, f), at::empty({M, H}, h),
-          at::empty({M, (nh + 2 * nkv) * hd}, h), at::empty({M, nh * hd}, h),
-          at::empty({M, (int64_t)a_.vocab}, f), at::empty({M, nh * hd}, h), at::empty({M, I}, h),
+          at::empty({M, (nh + 2 * nkv) * hd}, h), at::empty({M, (int64_t)a_.vocab}, f),
+          at::empty({M, nh * hd}, h), at::empty({M, I}, h),
           at::empty({M * nh * S * hd}, f), at::empty({M * nh * S * 2}, f),
           at::zeros({M * nkv}, i)};
     nanoqwen::VerifyArgs& v = vargs_;
     v.ids = v_[0].data_ptr<int32_t>(); v.pos = v_[1].data_ptr<int32_t>();
-    v.hidden = v_[2].data_ptr<float>(); v.xn = hp(v_[3]); v.qkv = hp(v_[4]); v.q = hp(v_[5]);
-    v.logits = v_[6].data_ptr<float>(); v.attn = hp(v_[7]); v.act = hp(v_[8]);
-    v.ws_acc = v_[9].data_ptr<float>(); v.ws_ml = v_[10].data_ptr<float>();
-    v.attn_counters = v_[11].data_ptr<int32_t>();
+    v.hidden = v_[2].data_ptr<float>(); v.xn = hp(v_[3]); v.qkv = hp(v_[4]);
+    v.logits = v_[5].data_ptr<float>(); v.attn = hp(v_[6]); v.act = hp(v_[7]);
+    v.ws_acc = v_[8].data_ptr<float>(); v.ws_ml = v_[9].data_ptr<float>();
+    v.attn_counters = v_[10].data_ptr<int32_t>();
   }
 
   std::vector<Tensor> g_, l_, d_, v_;

@@ -142,15 +142,11 @@ cudaError_t launch_verify(const StepArgs& a, const VerifyArgs& v, int T, cudaStr
            "verify step (T=%d), layer %d, rmsnorm 1", T, li);
     NQ_TRY(gemv_int4(v.qkv, v.xn, L.qkv_qw, L.qkv_sc, L.qkv_b, qkv_n, a.H, T, s),
            "verify step (T=%d), layer %d, qkv gemv_int4", T, li);
-    NQ_TRY(rope_kv_write(v.q, L.k_cache, L.v_cache, v.qkv, a.cos, a.sin, v.pos, a.page_table,
-                         a.table_len, T, a.n_heads, a.n_kv, a.head_dim, s),
-           "verify step (T=%d), layer %d, rope_kv_write", T, li);
-    NQ_TRY(attention_decode_cached(v.attn, v.ws_acc, v.ws_ml, v.attn_counters, v.qkv, L.k_cache,
-                                   L.v_cache, a.cos, a.sin, a.page_table, a.table_len, v.pos, T,
-                                   a.n_heads, a.n_kv, a.head_dim, a.num_splits, a.min_pps,
-                                   a.attn_kernel, scale,
-                                   s),
-           "verify step (T=%d), layer %d, attention_decode_cached (heads %d/%d, d=%d, splits %d)",
+    NQ_TRY(attention_verify(v.attn, v.ws_acc, v.ws_ml, v.attn_counters, v.qkv, L.k_cache,
+                            L.v_cache, a.cos, a.sin, a.page_table, a.table_len, v.pos, T,
+                            a.n_heads, a.n_kv, a.head_dim, a.num_splits, a.min_pps,
+                            a.attn_kernel, scale, s),
+           "verify step (T=%d), layer %d, attention_verify (heads %d/%d, d=%d, splits %d)",
            T, li, a.n_heads, a.n_kv, a.head_dim, a.num_splits);
     NQ_TRY(gemv_int4_residual(v.hidden, v.attn, L.o_qw, L.o_sc, a.H, q, T, s),
            "verify step (T=%d), layer %d, o gemv_int4_residual", T, li);

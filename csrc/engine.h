@@ -103,7 +103,6 @@ struct VerifyArgs {
   float* hidden = nullptr;           // [T, H]
   half* xn = nullptr;                // [T, H]
   half* qkv = nullptr;               // [T, q + 2kv]
-  half* q = nullptr;                 // [T, n_heads, head_dim] (rope_kv_write's q, not read)
   half* attn = nullptr;              // [T, n_heads, head_dim]
   half* act = nullptr;               // [T, I]
   float* logits = nullptr;           // [T, V]
@@ -129,8 +128,8 @@ cudaError_t launch_step(const StepArgs& a, cudaStream_t stream);
 
 // The verify step of speculative decoding: T tokens (v.ids) at positions *v.pos.. forwarded as
 // T decode steps would forward them, in one pass over the weights -- their K/V into the cache
-// (rope_kv_write), the logits of every one into v.logits [T, V]. Every GEMV runs T columns
-// (gemv.h), attention is attention_decode_cached: each row's logits are bit-identical to the
+// (attention_verify writes them), the logits of every one into v.logits [T, V]. Every GEMV runs
+// T columns (gemv.h), attention is attention_verify: each row's logits are bit-identical to the
 // decode step's at that position, so greedy speculation keeps the plain decode's tokens. No
 // sampling, no ring, no advance: the caller reads the logits. The page table must cover the
 // positions. Safe to capture.

@@ -141,18 +141,21 @@ cudaError_t attention_decode(half* out, float* ws_acc, float* ws_ml, int32_t* co
                              int kernel, float scale, cudaStream_t stream);
 
 // The speculative verify step's attention: T (1..kMaxVerifyQueries) queries at positions
-// pos[0] .. pos[0] + T - 1, whose K/V the cache already holds (rope_kv_write, launched just
-// before). qkv [T, q + 2kv]; out [T, n_heads, head_dim]; ws_acc / ws_ml / counters T times
-// attention_decode's (query i uses slice i; counters zero before, left zero). Query i's output
-// is bit-identical to attention_decode's at position pos[0] + i with the same cache: the same
-// RoPE of q, splits, kernel and order (tests/gpu checks it). Writes no cache.
+// pos[0] .. pos[0] + T - 1, what attention_decode does for one: qkv [T, q + 2kv] (row i the
+// token at pos[0] + i); the T rows' k (RoPE, rounded as rope_kv_write does) and v written into
+// the pages (positions at or beyond table_len*16 are not), and attended by the queries at or past
+// them in the same launch (each block computes the rows it needs itself: no rope_kv_write
+// before it); out [T, n_heads, head_dim]; ws_acc / ws_ml / counters T times attention_decode's
+// (query i uses slice i; counters zero before, left zero). Query i's output is bit-identical to
+// attention_decode's at position pos[0] + i after decode steps at pos[0] .. pos[0] + i - 1, and
+// the cache afterwards to theirs: the same RoPE, splits, kernel and order (tests/gpu checks it).
 constexpr int kMaxVerifyQueries = 16;
-cudaError_t attention_decode_cached(half* out, float* ws_acc, float* ws_ml, int32_t* counters,
-                                    const half* qkv, const half* k_cache, const half* v_cache,
-                                    const float* cos_table, const float* sin_table,
-                                    const int32_t* page_table, int table_len, const int32_t* pos,
-                                    int T, int n_heads, int n_kv, int head_dim, int num_splits,
-                                    int min_pps, int kernel, float scale, cudaStream_t stream);
+cudaError_t attention_verify(half* out, float* ws_acc, float* ws_ml, int32_t* counters,
+                             const half* qkv, half* k_cache, half* v_cache,
+                             const float* cos_table, const float* sin_table,
+                             const int32_t* page_table, int table_len, const int32_t* pos, int T,
+                             int n_heads, int n_kv, int head_dim, int num_splits, int min_pps,
+                             int kernel, float scale, cudaStream_t stream);
 
 // GPU sampler (docs/INTERFACES.md order): repetition penalty over the distinct ids among the
 // last repeat_last_n context ids (ctx_tokens[0..pos]) -> greedy argmax (lowest id on ties) ->

@@ -1,7 +1,7 @@
 """compute-sanitizer memcheck, racecheck and synccheck of attention_decode and attention_prefill
-at partial-page lengths, and of gemv_fp16's rows kernel (the verify step's lm_head at 5-16
-columns: a per-warp cp.async ring) at ragged shapes (this file, run as a script under the
-sanitizer), clean. Skipped where compute-sanitizer is absent."""
+at partial-page lengths, of attention_verify (the verify step's attention), and of gemv_fp16's
+rows kernel (the verify step's lm_head at 5-16 columns: a per-warp cp.async ring) at ragged
+shapes (this file, run as a script under the sanitizer), clean. Skipped where compute-sanitizer is absent."""
 
 from __future__ import annotations
 
@@ -59,6 +59,18 @@ def test_gemv_fp16_rows_sanitizer_clean(tool):
     copies and never stored, lanes without a chunk (k = 8, 264, 896) copying nothing; the
     outputs bit-identical to one-column calls: this file run as a script with "rows"."""
     r = subprocess.run(sanitizer_cmd(tool, Path(__file__), "gemv_fp16_rows", "rows"),
+                       capture_output=True, text=True, timeout=400)
+    _check(tool, r)
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+def test_attention_verify_sanitizer_clean(tool):
+    """attention_verify (the verify step's attention) on both page loops: each block's rows of
+    the step computed into shared memory and patched over the ring's stale copies (cp.async
+    select, TMA stage patch before the proxy fence), the last query's blocks writing them to the
+    cache while other blocks' page copies read those pages: this file run as a script with
+    "verify" (the CUDA backend's verify step against its decode steps, bit for bit)."""
+    r = subprocess.run(sanitizer_cmd(tool, Path(__file__), "attn_decode", "verify"),
                        capture_output=True, text=True, timeout=400)
     _check(tool, r)
 
@@ -164,5 +176,39 @@ def _run_attention_decode() -> int:
     return 0 if ok else 1
 
 
+def _run_verify() -> int:
+    """Standalone body for the sanitizer: the verify step (attention_verify: each block computes
+    the step's own K/V rows into shared memory, the last query's blocks write them to the cache)
+    on both attention kernels, eager, T tokens after prefixes that put them inside a page, across
+    a page boundary and across two; its logits against the decode steps' bit for bit
+    (test_verify.py's property); exits non-zero if any row differs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import helpers
+    from nanoqwen.engine.backends.cuda import CudaBackend
+    from nanoqwen.engine.switches import ATTN_TMA
+
+    ok = True
+    for tma in (0, 1):
+        os.environ[ATTN_TMA] = str(tma)
+        cfg = helpers.TINY_UNTIED
+        be = CudaBackend(cfg, helpers.file_tensors(cfg, helpers.random_weights(cfg, seed=tma)),
+                         max_context=128, mode="eager")
+        for n_prefix, T in ((3, 4), (14, 5), (17, 16), (60, 9)):
+            g = torch.Generator().manual_seed(n_prefix * 100 + T)
+            ids = torch.randint(0, cfg.vocab_size, (n_prefix + T,), generator=g).tolist()
+            be.truncate(0)
+            be.forward(ids[:n_prefix])
+            want = torch.stack([be.forward([t]) for t in ids[n_prefix:]])
+            be.truncate(0)
+            be.forward(ids[:n_prefix])
+            same = bool(torch.equal(be.forward_all(ids[n_prefix:]), want))
+            print(f"verify tma={tma} prefix={n_prefix} T={T}: rows equal to decode steps {same}")
+            ok &= same
+    torch.cuda.synchronize()
+    return 0 if ok else 1
+
+
 if __name__ == "__main__":
-    sys.exit(_run_gemv_fp16_rows() if sys.argv[1:] == ["rows"] else _run_attention_decode())
+    mode = sys.argv[1:]
+    sys.exit(_run_gemv_fp16_rows() if mode == ["rows"] else _run_verify() if mode == ["verify"]
+             else _run_attention_decode())
