@@ -261,11 +261,14 @@ void attention_prefill(Tensor& out, const Tensor& q, const Tensor& k_cache, cons
                                                (int)nh, (int)nkv, (int)D, stream_of(out)));
 }
 
-void attention_decode(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, Tensor& counters,
-                      const Tensor& qkv, Tensor& k_cache, Tensor& v_cache, const Tensor& cos,
-                      const Tensor& sin, const Tensor& page_table, const Tensor& pos,
-                      int64_t min_pps, int64_t kernel) {
-  const char* op = "attention_decode";
+// attention_decode (verify false: one query, out [n_heads, D], ws_acc [n_heads, S, D], ws_ml
+// [n_heads, S, 2], counters [n_kv], qkv [(n_heads + 2 n_kv) D]) and attention_verify (T queries:
+// qkv [T, (n_heads + 2 n_kv) D], out [T, n_heads, D], ws_acc [T, n_heads, S, D], ws_ml
+// [T, n_heads, S, 2], counters [T, n_kv]); the rest alike.
+static void attention_op(const char* op, bool verify, Tensor& out, Tensor& ws_acc, Tensor& ws_ml,
+                         Tensor& counters, const Tensor& qkv, Tensor& k_cache, Tensor& v_cache,
+                         const Tensor& cos, const Tensor& sin, const Tensor& page_table,
+                         const Tensor& pos, int64_t min_pps, int64_t kernel) {
   NQ_CHECK(min_pps >= 0 && min_pps <= nanoqwen::kDecMinPpsMax, op, ": min_pps=", min_pps,
            " must be 0 (the default, ", nanoqwen::kDecMinPpsDefault,
            " KV pages per split) or 1 to ", nanoqwen::kDecMinPpsMax);
@@ -283,17 +286,35 @@ void attention_decode(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, Tensor& counte
   check_arg(op, "page_table", page_table, at::kInt);
   check_arg(op, "pos", pos, at::kInt);
   const int64_t D = k_cache.size(3), nkv = k_cache.size(2);
-  check_dims(op, "out", out, {-1, D});
-  const int64_t nh = out.size(0);
+  int64_t T = 1, nh, S;
+  if (verify) {
+    check_dims(op, "out", out, {-1, -1, D});
+    T = out.size(0);
+    nh = out.size(1);
+    NQ_CHECK(T >= 1 && T <= nanoqwen::kMaxVerifyQueries, op, ": out has ", T,
+             " query rows, expected 1..", nanoqwen::kMaxVerifyQueries);
+  } else {
+    check_dims(op, "out", out, {-1, D});
+    nh = out.size(0);
+  }
   NQ_CHECK(nh % nkv == 0 && nh / nkv <= nanoqwen::kMaxGqa, op, ": n_heads=", nh,
               " / n_kv_heads=", nkv, " must be a whole GQA ratio of at most ", nanoqwen::kMaxGqa);
-  NQ_CHECK(qkv.numel() == (nh + 2 * nkv) * D, op, ": qkv has ", qkv.numel(),
-              " elements, expected (n_heads + 2 n_kv) * head_dim = ", (nh + 2 * nkv) * D);
-  check_dims(op, "ws_acc", ws_acc, {nh, -1, D});
-  const int64_t S = ws_acc.size(1);
-  NQ_CHECK(S >= 1, op, ": ws_acc has no split slots");
-  check_dims(op, "ws_ml", ws_ml, {nh, S, 2});
-  check_dims(op, "counters", counters, {nkv});
+  if (verify) {
+    check_dims(op, "qkv", qkv, {T, (nh + 2 * nkv) * D});
+    check_dims(op, "ws_acc", ws_acc, {T, nh, -1, D});
+    S = ws_acc.size(2);
+    NQ_CHECK(S >= 1, op, ": ws_acc has no split slots");
+    check_dims(op, "ws_ml", ws_ml, {T, nh, S, 2});
+    check_dims(op, "counters", counters, {T, nkv});
+  } else {
+    NQ_CHECK(qkv.numel() == (nh + 2 * nkv) * D, op, ": qkv has ", qkv.numel(),
+                " elements, expected (n_heads + 2 n_kv) * head_dim = ", (nh + 2 * nkv) * D);
+    check_dims(op, "ws_acc", ws_acc, {nh, -1, D});
+    S = ws_acc.size(1);
+    NQ_CHECK(S >= 1, op, ": ws_acc has no split slots");
+    check_dims(op, "ws_ml", ws_ml, {nh, S, 2});
+    check_dims(op, "counters", counters, {nkv});
+  }
   check_dims(op, "page_table", page_table, {-1});
   const int64_t table_len = page_table.size(0);
   NQ_CHECK(table_len >= 1, op, ": page_table is empty");
@@ -311,13 +332,40 @@ void attention_decode(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, Tensor& counte
                             &page_table, &pos})
     same_device(op, out, *t, "an input");
   const c10::cuda::CUDAGuard g(out.device());
-  check_launch(op, nanoqwen::attention_decode(
-                       hp(out), ws_acc.data_ptr<float>(), ws_ml.data_ptr<float>(),
-                       counters.data_ptr<int32_t>(), chp(qkv), hp(k_cache), hp(v_cache),
-                       cos.data_ptr<float>(), sin.data_ptr<float>(),
-                       page_table.data_ptr<int32_t>(), (int)table_len, pos.data_ptr<int32_t>(),
-                       (int)nh, (int)nkv, (int)D, (int)S, (int)min_pps, (int)kernel,
-                       (float)(1.0 / std::sqrt((double)D)), stream_of(out)));
+  const float scale = (float)(1.0 / std::sqrt((double)D));
+  if (verify)
+    check_launch(op, nanoqwen::attention_verify(
+                         hp(out), ws_acc.data_ptr<float>(), ws_ml.data_ptr<float>(),
+                         counters.data_ptr<int32_t>(), chp(qkv), hp(k_cache), hp(v_cache),
+                         cos.data_ptr<float>(), sin.data_ptr<float>(),
+                         page_table.data_ptr<int32_t>(), (int)table_len,
+                         pos.data_ptr<int32_t>(), (int)T, (int)nh, (int)nkv, (int)D, (int)S,
+                         (int)min_pps, (int)kernel, scale, stream_of(out)));
+  else
+    check_launch(op, nanoqwen::attention_decode(
+                         hp(out), ws_acc.data_ptr<float>(), ws_ml.data_ptr<float>(),
+                         counters.data_ptr<int32_t>(), chp(qkv), hp(k_cache), hp(v_cache),
+                         cos.data_ptr<float>(), sin.data_ptr<float>(),
+                         page_table.data_ptr<int32_t>(), (int)table_len,
+                         pos.data_ptr<int32_t>(), (int)nh, (int)nkv, (int)D, (int)S,
+                         (int)min_pps, (int)kernel, scale, stream_of(out)));
+}
+
+void attention_decode(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, Tensor& counters,
+                      const Tensor& qkv, Tensor& k_cache, Tensor& v_cache, const Tensor& cos,
+                      const Tensor& sin, const Tensor& page_table, const Tensor& pos,
+                      int64_t min_pps, int64_t kernel) {
+  attention_op("attention_decode", false, out, ws_acc, ws_ml, counters, qkv, k_cache, v_cache,
+               cos, sin, page_table, pos, min_pps, kernel);
+}
+
+// The verify step's attention (kernels.h attention_verify), for tests: T queries at pos..
+void attention_verify(Tensor& out, Tensor& ws_acc, Tensor& ws_ml, Tensor& counters,
+                      const Tensor& qkv, Tensor& k_cache, Tensor& v_cache, const Tensor& cos,
+                      const Tensor& sin, const Tensor& page_table, const Tensor& pos,
+                      int64_t min_pps, int64_t kernel) {
+  attention_op("attention_verify", true, out, ws_acc, ws_ml, counters, qkv, k_cache, v_cache,
+               cos, sin, page_table, pos, min_pps, kernel);
 }
 
 // ---- sampling / advance ---------------------------------------------------------------------
@@ -1352,6 +1400,9 @@ TORCH_LIBRARY(nanoqwen, m) {
   m.def("attention_decode(Tensor! out, Tensor! ws_acc, Tensor! ws_ml, Tensor! counters, "
         "Tensor qkv, Tensor! k_cache, Tensor! v_cache, Tensor cos, Tensor sin, "
         "Tensor page_table, Tensor pos, int min_pps=0, int kernel=0) -> ()");
+  m.def("attention_verify(Tensor! out, Tensor! ws_acc, Tensor! ws_ml, Tensor! counters, "
+        "Tensor qkv, Tensor! k_cache, Tensor! v_cache, Tensor cos, Tensor sin, "
+        "Tensor page_table, Tensor pos, int min_pps=0, int kernel=0) -> ()");
   // INT4 -> fp16 weight (prefill feeds cuBLAS with it)
   m.def("dequant_int4(Tensor! w, Tensor qweight, Tensor scales) -> ()");
   // the fp16 prefill's silu(gate) * up from the fused gate/up GEMM's rows
@@ -1379,5 +1430,6 @@ TORCH_LIBRARY_IMPL(nanoqwen, CUDA, m) {
   m.impl("dequant_int4", &nanoqwen_ops::dequant_int4);
   m.impl("silu_mul", &nanoqwen_ops::silu_mul);
   m.impl("attention_decode", &nanoqwen_ops::attention_decode);
+  m.impl("attention_verify", &nanoqwen_ops::attention_verify);
   m.impl("attention_prefill", &nanoqwen_ops::attention_prefill);
 }

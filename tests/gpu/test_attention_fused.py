@@ -6,7 +6,8 @@ Also: the cache after the call equals rope_kv_write's (the prefill's op) bit for
 per-kv-head counters are back to zero, repeated calls and a CUDA-graph replay are bitwise equal
 to an eager call, pos beyond the table, a multi-step decode across a page boundary, and bad
 shapes raising. (The unfused pair it replaced, rope_kv_write + paged_attention, is in
-benchmarks/lab/ with its own test.)"""
+benchmarks/lab/ with its own test.) attention_verify (the verify step's T queries) against T
+attention_decode calls, bit for bit: outputs and the cache."""
 
 from __future__ import annotations
 
@@ -242,6 +243,79 @@ def test_decode_steps_across_page_boundary(gen, kernel):
         torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
         assert torch.equal(kc, pkc) and torch.equal(vc, pvc)
         assert int(counters.abs().sum()) == 0
+
+
+def verify_matches_decode(gen, kernel, d, nh, nkv, pos, T, pages, splits, min_pps=0):
+    """attention_verify of T queries at pos.. on a random shuffled cache against T
+    attention_decode calls at pos, pos + 1, .. (each writes its row before the next reads it):
+    every query's output and the cache afterwards bit for bit, the counters back to zero.
+    Returns whether all of it held (the sanitizer's script uses it too)."""
+    table = torch.randperm(pages, generator=gen, device="cuda").int()
+    kc = torch.randn(pages, PAGE, nkv, d, generator=gen, device="cuda").half()
+    vc = torch.randn(pages, PAGE, nkv, d, generator=gen, device="cuda").half()
+    cos, sin = rope_tables(pages * PAGE, d)
+    qkv = torch.randn(T, (nh + 2 * nkv) * d, generator=gen, device="cuda").half()
+    qkv[:, :nh * d] *= 2
+    nan = float("nan")
+    kd, vd, want = kc.clone(), vc.clone(), []
+    for i in range(T):
+        out = torch.full((nh, d), nan, device="cuda").half()
+        ops().attention_decode(out, torch.full((nh, splits, d), nan, device="cuda"),
+                               torch.full((nh, splits, 2), nan, device="cuda"),
+                               torch.zeros(nkv, dtype=torch.int32, device="cuda"), qkv[i], kd, vd,
+                               cos, sin, table,
+                               torch.tensor([pos + i], dtype=torch.int32, device="cuda"),
+                               min_pps, kernel)
+        want.append(out)
+    kv, vv = kc.clone(), vc.clone()
+    out = torch.full((T, nh, d), nan, device="cuda").half()
+    counters = torch.zeros(T, nkv, dtype=torch.int32, device="cuda")
+    ops().attention_verify(out, torch.full((T, nh, splits, d), nan, device="cuda"),
+                           torch.full((T, nh, splits, 2), nan, device="cuda"), counters, qkv, kv,
+                           vv, cos, sin, table, torch.tensor([pos], dtype=torch.int32,
+                                                             device="cuda"), min_pps, kernel)
+    return (torch.equal(out, torch.stack(want)) and torch.equal(kv, kd) and torch.equal(vv, vd)
+            and int(counters.abs().sum()) == 0)
+
+
+# (pos, T, pages): inside a page, across one page boundary, across two (T = 16 from slot 15),
+# from position 0, at the table's end and past it (positions beyond are neither written nor
+# attended past the end), and a long context whose pages per split differ between the queries
+# (7 splits: 63 pages make 9 a split, 64 make 10; positions 1000..1012 span both)
+VERIFY_CASES = [(3, 4, 4), (14, 5, 4), (15, 16, 4), (0, 16, 2), (60, 4, 4), (61, 8, 4),
+                (1000, 13, 66)]
+
+
+@pytest.mark.parametrize("d,nh,nkv", SHAPES)
+@pytest.mark.parametrize("pos,T,pages", VERIFY_CASES)
+@pytest.mark.parametrize("splits", [1, 7])
+def test_attention_verify_is_decode_steps(gen, kernel, d, nh, nkv, pos, T, pages, splits):
+    """The verify step's attention computes each query's own K/V rows (and those of the step's
+    earlier queries) itself and writes them once: bit-identical to decode steps, one at a time."""
+    assert verify_matches_decode(gen, kernel, d, nh, nkv, pos, T, pages, splits)
+
+
+def test_attention_verify_bad_arguments():
+    dev = "cuda"
+    kc = torch.zeros(2, PAGE, 4, 128, device=dev).half()
+    cos, sin = rope_tables(2 * PAGE, 128)
+    table = torch.arange(2, dtype=torch.int32, device=dev)
+    pos = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def call(T, nh=28, qkv_cols=None, counters=None):
+        ops().attention_verify(
+            torch.empty(T, nh, 128, device=dev).half(), torch.empty(T, nh, 2, 128, device=dev),
+            torch.empty(T, nh, 2, 2, device=dev),
+            torch.zeros(T, 4, dtype=torch.int32, device=dev) if counters is None else counters,
+            torch.empty(T, qkv_cols or (nh + 8) * 128, device=dev).half(), kc, kc.clone(), cos,
+            sin, table, pos)
+
+    with pytest.raises(RuntimeError, match="out has 17 query rows, expected 1..16"):
+        call(17)
+    with pytest.raises(RuntimeError, match="qkv"):
+        call(2, qkv_cols=35 * 128)
+    with pytest.raises(RuntimeError, match="counters"):
+        call(2, counters=torch.zeros(4, dtype=torch.int32, device=dev))
 
 
 def test_bad_arguments_raise_with_numbers():

@@ -69,7 +69,7 @@ def test_attention_verify_sanitizer_clean(tool):
     the step computed into shared memory and patched over the ring's stale copies (cp.async
     select, TMA stage patch before the proxy fence), the last query's blocks writing them to the
     cache while other blocks' page copies read those pages: this file run as a script with
-    "verify" (the CUDA backend's verify step against its decode steps, bit for bit)."""
+    "verify" (against attention_decode calls one position at a time, bit for bit)."""
     r = subprocess.run(sanitizer_cmd(tool, Path(__file__), "attn_decode", "verify"),
                        capture_output=True, text=True, timeout=400)
     _check(tool, r)
@@ -177,32 +177,26 @@ def _run_attention_decode() -> int:
 
 
 def _run_verify() -> int:
-    """Standalone body for the sanitizer: the verify step (attention_verify: each block computes
-    the step's own K/V rows into shared memory, the last query's blocks write them to the cache)
-    on both attention kernels, eager, T tokens after prefixes that put them inside a page, across
-    a page boundary and across two; its logits against the decode steps' bit for bit
-    (test_verify.py's property); exits non-zero if any row differs."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import helpers
-    from nanoqwen.engine.backends.cuda import CudaBackend
-    from nanoqwen.engine.switches import ATTN_TMA
+    """Standalone body for the sanitizer: attention_verify (each block computes the step's own
+    K/V rows into shared memory, the last query's blocks write them to the cache) on both
+    kernels against T attention_decode calls, bit for bit (test_attention_fused.py's
+    verify_matches_decode), inside a page, across one and two page boundaries, past the table's
+    end, with pages per split differing between queries; exits non-zero if any differs."""
+    from nanoqwen.engine.build import load_extension
+
+    load_extension()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_attention_fused import verify_matches_decode
 
     ok = True
-    for tma in (0, 1):
-        os.environ[ATTN_TMA] = str(tma)
-        cfg = helpers.TINY_UNTIED
-        be = CudaBackend(cfg, helpers.file_tensors(cfg, helpers.random_weights(cfg, seed=tma)),
-                         max_context=128, mode="eager")
-        for n_prefix, T in ((3, 4), (14, 5), (17, 16), (60, 9)):
-            g = torch.Generator().manual_seed(n_prefix * 100 + T)
-            ids = torch.randint(0, cfg.vocab_size, (n_prefix + T,), generator=g).tolist()
-            be.truncate(0)
-            be.forward(ids[:n_prefix])
-            want = torch.stack([be.forward([t]) for t in ids[n_prefix:]])
-            be.truncate(0)
-            be.forward(ids[:n_prefix])
-            same = bool(torch.equal(be.forward_all(ids[n_prefix:]), want))
-            print(f"verify tma={tma} prefix={n_prefix} T={T}: rows equal to decode steps {same}")
+    for d, nh, nkv, pos, T, pages, splits in ((128, 28, 4, 14, 5, 4, 1), (128, 28, 4, 15, 16, 4, 3),
+                                              (64, 14, 2, 61, 8, 4, 2),
+                                              (128, 28, 4, 1000, 13, 66, 7)):
+        for kernel in (0, 1):  # kAttnCpAsync, kAttnTma
+            g = torch.Generator(device="cuda").manual_seed(pos * 100 + T)
+            same = verify_matches_decode(g, kernel, d, nh, nkv, pos, T, pages, splits)
+            print(f"attention_verify d={d} nh={nh} nkv={nkv} pos={pos} T={T} splits={splits} "
+                  f"kernel={kernel}: equal to decode steps {same}")
             ok &= same
     torch.cuda.synchronize()
     return 0 if ok else 1
