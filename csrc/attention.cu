@@ -726,7 +726,9 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
     }
   }
   const bool a_active = sp.p_begin < sp.n_pages;  // the (first) query has pages here
-  if (!a_active && !pair) return;  // empty split: whole block, before any barrier or write
+  const bool b_active = MQ && pair && sb.p_begin < sb.n_pages;  // the second one has
+  // empty split(s): whole block, before any barrier or write (neither split end may count it)
+  if (!a_active && !b_active) return;
   // (pair: the second query's split holds every page the first's does, and maybe one more)
   const int n_active = sp.n_active, p_begin = sp.p_begin, np = MQ ? sb.np : sp.np;
   const int t_end = sp.t_end, new_t = sp.new_t, p_tab = sp.p_tab;
@@ -996,7 +998,7 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
         out, ws_acc, ws_ml, counters, &s_wm[0][0], &s_wl[0][0], reinterpret_cast<float*>(s_ring),
         reinterpret_cast<float*>(s_ring), &s_last, kvh, split, num_splits, n_active, head0);
   if constexpr (MQ) {
-    if (pair) {  // block-uniform: the second query's partials (rows gid + 8), then its split end
+    if (b_active) {  // block-uniform: the second query's partials (rows gid + 8), its split end
       __syncthreads();  // the first query's merge is done with the ring and s_wm / s_wl
       if (!producer) {  // warp-uniform; shuffles only
         l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
