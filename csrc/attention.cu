@@ -87,7 +87,7 @@ __device__ __forceinline__ void query_slices(const half* __restrict__& qkv,
   }
 }
 
-// This split's pages and tokens: p the position (query qi's, for MQ), len the tokens attended
+// This split's pages and tokens: p the position (the query's, for MQ), len the tokens attended
 // (positions past the table's end are not in the cache: len stops there), pps pages a split
 // (at least min_pps), n_active splits with pages; pages [p_begin, p_end) (np of them) and tokens
 // below t_end are this block's; new_t = p where this block holds pos and pos is in the table
@@ -96,19 +96,17 @@ __device__ __forceinline__ void query_slices(const half* __restrict__& qkv,
 // the step's own positions pos[0].. (verify_fresh_kv); new_t is -1.
 // Reads only pos_ptr, written >= 2 launches back (before griddep_wait).
 struct SplitSpan {
-  int p, n_pages, pps, n_active, p_begin, p_end, np, t_end, new_t, p_tab, f_lo, nf;
+  int p, n_pages, n_active, p_begin, p_end, np, t_end, new_t, p_tab, f_lo, nf;
 };
 template <bool MQ>
 __device__ __forceinline__ SplitSpan split_span(const int32_t* pos_ptr, int table_len,
-                                                int num_splits, int min_pps, int split,
-                                                int qi = 0) {
+                                                int num_splits, int min_pps, int split) {
   SplitSpan s;
-  s.p = pos_ptr[0] + (MQ ? qi : 0);
+  s.p = pos_ptr[0] + (MQ ? (int)blockIdx.z : 0);
   const int cap = table_len * kPageSize;
   const int len = max(min(s.p + 1, cap), 1);
   s.n_pages = (len + kPageSize - 1) / kPageSize;
   const int pps = max((s.n_pages + num_splits - 1) / num_splits, min_pps);
-  s.pps = pps;
   s.n_active = (s.n_pages + pps - 1) / pps;
   s.p_begin = split * pps;
   s.p_end = min(s.p_begin + pps, s.n_pages);
@@ -424,8 +422,7 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
   const half* const qkv0 = qkv;  // the step's row 0 (MQ: verify_fresh_kv)
   query_slices<HD, MQ>(qkv, out, ws_acc, ws_ml, counters, n_heads, n_kv, num_splits);
   // ---- before griddep_wait: only data written >= 2 launches back ----
-  const SplitSpan sp =
-      split_span<MQ>(pos_ptr, table_len, num_splits, min_pps, split, (int)blockIdx.z);
+  const SplitSpan sp = split_span<MQ>(pos_ptr, table_len, num_splits, min_pps, split);
   if (sp.p_begin >= sp.n_pages) return;  // empty split: whole block, before any barrier or write
   const int p = sp.p, n_active = sp.n_active, p_begin = sp.p_begin, np = sp.np;
   const int t_end = sp.t_end, new_t = sp.new_t, p_tab = sp.p_tab;
@@ -604,10 +601,6 @@ attn_decode_kernel(half* __restrict__ out, float* __restrict__ ws_acc, float* __
 // Barriers: the block barriers all sit outside the role branches; inside them only the mbarriers
 // and __syncwarp order the warps (the seed's lesson: a block barrier in a warp-specialized branch
 // is undefined behaviour).
-// MQ (attention_verify): the G <= 8 heads of a query fill rows 0..7 of the m16 tile, so the
-// block of query 2i runs query 2i + 1 in rows 8..15 (its own q, online softmax, mask and split
-// end) over the same pages, K and V read once for both, wherever the two split their pages
-// alike; the block of 2i + 1 then exits at once.
 constexpr int kTmaConsumers = 4;
 constexpr int kTmaThreads = (kTmaConsumers + 1) * 32;
 constexpr int kTmaStages = 8;
@@ -685,13 +678,12 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
                        const __grid_constant__ CUtensorMap tm_v) {
   using Ring = TmaRing<HD>;
   constexpr int NT = HD / 8;  // 8-dim tiles of the output row
-  static_assert(G <= 8, "one m16 tile holds the G query heads in rows 0..7 (MQ: a second "
-                "query's in rows 8..15)");
+  static_assert(G <= 8, "one m16 tile holds the G query heads in rows 0..7");
   static_assert(kTmaConsumers * G * HD * 4 <= Ring::kBytes, "warp partials alias the ring");
   extern __shared__ __align__(128) unsigned char s_dyn[];
   unsigned char* const s_ring = s_dyn + ((1024u - (smem_u32(s_dyn) & 1023u)) & 1023u);
   __shared__ __align__(8) uint64_t s_full[kTmaStages], s_empty[kTmaStages];
-  __shared__ __align__(16) half s_qh[MQ ? 2 : 1][G][HD];  // [query of the pair][head][dim]
+  __shared__ __align__(16) half s_qh[G][HD];
   __shared__ __align__(16) half s_knew[(MQ ? kMaxVerifyQueries : 1) * HD];  // fresh rows
   __shared__ __align__(16) half s_vnew[(MQ ? kMaxVerifyQueries : 1) * HD];
   __shared__ float s_wm[kTmaConsumers][G], s_wl[kTmaConsumers][G];
@@ -704,35 +696,10 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
   const half* const qkv0 = qkv;  // the step's row 0 (MQ: verify_fresh_kv)
   query_slices<HD, MQ>(qkv, out, ws_acc, ws_ml, counters, n_heads, n_kv, num_splits);
   // ---- before griddep_wait: only data written >= 2 launches back (as attn_decode_kernel) ----
-  const SplitSpan sp =
-      split_span<MQ>(pos_ptr, table_len, num_splits, min_pps, split, (int)blockIdx.z);
-  // MQ: the block of an even query z also runs query z + 1 (rows 8..15 of the m16 tile, which
-  // the G <= 8 heads of one query leave empty) when both split their pages alike (the same
-  // pages a split: all but a position pair across a page boundary that changes it); the block
-  // of z + 1 then has nothing to do. The pair's pages are the second query's (a superset: its
-  // split may hold one page more, or be active where the first's is empty), each row masked at
-  // its own query's end, so each query's sums are the ones its own block would make.
-  bool pair = false;
-  SplitSpan sb = sp;  // pair: the second query's span
-  if constexpr (MQ) {
-    const int z = blockIdx.z;
-    if (z & 1) {
-      if (split_span<MQ>(pos_ptr, table_len, num_splits, min_pps, split, z - 1).pps == sp.pps)
-        return;  // block-uniform, before any barrier or write: block z - 1 runs this query
-    } else if (z + 1 < (int)gridDim.z) {
-      sb = split_span<MQ>(pos_ptr, table_len, num_splits, min_pps, split, z + 1);
-      pair = sb.pps == sp.pps;
-      if (!pair) sb = sp;
-    }
-  }
-  const bool a_active = sp.p_begin < sp.n_pages;  // the (first) query has pages here
-  const bool b_active = MQ && pair && sb.p_begin < sb.n_pages;  // the second one has
-  // empty split(s): whole block, before any barrier or write (neither split end may count it)
-  if (!a_active && !b_active) return;
-  // (pair: the second query's split holds every page the first's does, and maybe one more)
-  const int n_active = sp.n_active, p_begin = sp.p_begin, np = MQ ? sb.np : sp.np;
+  const SplitSpan sp = split_span<MQ>(pos_ptr, table_len, num_splits, min_pps, split);
+  if (sp.p_begin >= sp.n_pages) return;  // empty split: whole block, before any barrier or write
+  const int n_active = sp.n_active, p_begin = sp.p_begin, np = sp.np;
   const int t_end = sp.t_end, new_t = sp.new_t, p_tab = sp.p_tab;
-  const int t_end_u = MQ ? sb.t_end : sp.t_end;  // the last token of either query's span
 
   if (tid == 0) {
     for (int s = 0; s < kTmaStages; ++s) {
@@ -783,43 +750,32 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
     load_windows();
     for (int i = 0; i < min(np, kTmaStages); ++i) issue_page(i);
   }
-  // this thread's RoPE pairs of q (MQ: and of the pair's second query, at its position)
-  QRope<HD, G, kTmaThreads> qrope, qrope_b;
+  // this thread's RoPE pairs of q
+  QRope<HD, G, kTmaThreads> qrope;
   qrope.load(tid, cos_table, sin_table, p_tab);
-  if constexpr (MQ)
-    if (pair) qrope_b.load(tid, cos_table, sin_table, sb.p_tab);
 
   // ---- after the wait: qkv (the GEMV just before), cache writes, ws, counters ----
   griddep_wait();
   griddep_launch_dependents();
   qrope.rotate(tid, qkv, head0, [&](int g, int d, half lo, half hi) {
-    s_qh[0][g][d] = lo;   // q as rope_kv_write would store it; the scale is applied to the scores
-    s_qh[0][g][d + half_d] = hi;
+    s_qh[g][d] = lo;   // q as rope_kv_write would store it; the scale is applied to the scores
+    s_qh[g][d + half_d] = hi;
   });
-  if constexpr (MQ)
-    if (pair)
-      qrope_b.rotate(tid, qkv + (size_t)(n_heads + 2 * n_kv) * HD, head0,
-                     [&](int g, int d, half lo, half hi) {
-                       s_qh[1][g][d] = lo;
-                       s_qh[1][g][d + half_d] = hi;
-                     });
   if (new_t >= 0)  // block-uniform: this split holds pos, and pos is inside the table
     write_fresh_kv<HD, kTmaThreads>(k_cache, v_cache, s_knew, s_vnew, qkv, cos_table, sin_table,
                                     page_table, sp.p, p_tab, kvh, n_heads, n_kv);
   if constexpr (MQ)
-    if (sb.nf > 0)  // block-uniform; the pair's second query needs every row the first does
+    if (sp.nf > 0)  // block-uniform
       verify_fresh_kv<HD, kTmaThreads>(k_cache, v_cache, s_knew, s_vnew, qkv0, cos_table,
                                        sin_table, page_table, sp.p - (int)blockIdx.z, sp.f_lo,
-                                       sb.nf, blockIdx.z + pair == gridDim.z - 1, kvh, n_heads,
-                                       n_kv);
+                                       sp.nf, blockIdx.z == gridDim.z - 1, kvh, n_heads, n_kv);
   __syncthreads();  // s_qh, s_knew, s_vnew
 
   // consumer state: lane (gid, tig) of the m16n8 fragments holds head row gid (< G counts),
   // tokens / dims 2 tig, 2 tig + 1 of each 8-wide tile
   const int gid = lane >> 2, tig = lane & 3;
   float m_run = kNegBig, l_run = 0.f;  // l_run: this lane's share of the row sum (quad-summed)
-  float m_b = kNegBig, l_b = 0.f;      // MQ: row gid + 8, the pair's second query
-  float acc[NT][4];  // [.][0..1] row gid, [.][2..3] row gid + 8
+  float acc[NT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 
@@ -830,18 +786,11 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
     }
   } else if (warp < np) {  // warp-uniform; mbarriers and __syncwarp only
     uint32_t qa[HD / 16][2];  // A fragments of the rotated q: rows gid < G, k = 16 kk + 2 tig (+8)
-    uint32_t qb[HD / 16][2];  // MQ: rows gid + 8 (the pair's second query), else 0
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
-      qa[kk][0] =
-          gid < G ? *reinterpret_cast<const uint32_t*>(&s_qh[0][gid][kk * 16 + 2 * tig]) : 0u;
+      qa[kk][0] = gid < G ? *reinterpret_cast<const uint32_t*>(&s_qh[gid][kk * 16 + 2 * tig]) : 0u;
       qa[kk][1] =
-          gid < G ? *reinterpret_cast<const uint32_t*>(&s_qh[0][gid][kk * 16 + 8 + 2 * tig]) : 0u;
-      const bool b_row = MQ && pair && gid < G;
-      qb[kk][0] =
-          b_row ? *reinterpret_cast<const uint32_t*>(&s_qh[MQ][gid][kk * 16 + 2 * tig]) : 0u;
-      qb[kk][1] =
-          b_row ? *reinterpret_cast<const uint32_t*>(&s_qh[MQ][gid][kk * 16 + 8 + 2 * tig]) : 0u;
+          gid < G ? *reinterpret_cast<const uint32_t*>(&s_qh[gid][kk * 16 + 8 + 2 * tig]) : 0u;
     }
     // ldmatrix row addresses: lane l feeds row (l & 7) of matrix l >> 3
     const int mi = lane >> 3, mr = lane & 7;
@@ -853,16 +802,15 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
       unsigned char* st = s_ring + (size_t)s * Ring::kStageBytes;
       unsigned char* vst = st + Ring::kHalfBytes;
       const int t0 = (p_begin + i) * kPageSize;
-      const int n_valid = min(kPageSize, t_end - t0);  // the first query's (MQ: may be <= 0)
-      const int n_valid_u = MQ ? min(kPageSize, t_end_u - t0) : n_valid;  // either's: >= 1
+      const int n_valid = min(kPageSize, t_end - t0);  // >= 1
       // the page's fresh rows: the decode step's at new_t; the verify step's (MQ) its rows
       // [fa, n_valid) at or past f_lo, s_knew / s_vnew row t0 + r - f_lo
       const int fa = MQ ? max(sp.f_lo - t0, 0) : 0;
-      const bool fresh = MQ ? fa < n_valid_u : new_t >= t0 && new_t < t0 + kPageSize;
-      const bool patch = fresh || n_valid_u < kPageSize;  // warp-uniform
+      const bool fresh = MQ ? fa < n_valid : new_t >= t0 && new_t < t0 + kPageSize;
+      const bool patch = fresh || n_valid < kPageSize;  // warp-uniform
       if (patch) {
         if constexpr (MQ) {
-          for (int c = lane; c < (n_valid_u - fa) * (HD / 8); c += 32) {  // none unless fresh
+          for (int c = lane; c < (n_valid - fa) * (HD / 8); c += 32) {  // none unless fresh
             const int r = fa + c / (HD / 8), q = c % (HD / 8);
             const int at = (t0 + r - sp.f_lo) * (HD / 8) + q;
             *reinterpret_cast<uint4*>(st + Ring::at(r, q)) =
@@ -878,8 +826,8 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
                 reinterpret_cast<const uint4*>(s_vnew)[q];
           }
         }
-        for (int c = lane; c < (kPageSize - n_valid_u) * (HD / 8); c += 32)
-          *reinterpret_cast<uint4*>(vst + Ring::at(n_valid_u + c / (HD / 8), c % (HD / 8))) =
+        for (int c = lane; c < (kPageSize - n_valid) * (HD / 8); c += 32)
+          *reinterpret_cast<uint4*>(vst + Ring::at(n_valid + c / (HD / 8), c % (HD / 8))) =
               make_uint4(0u, 0u, 0u, 0u);
         __syncwarp();
       }
@@ -889,10 +837,8 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
       for (int kk = 0; kk < HD / 16; ++kk) {
         uint32_t b[4];
         ldmatrix_x4(b, st + Ring::at(k_row, 2 * kk + k_q));
-        mma16816(sc[0], qa[kk][0], MQ ? qb[kk][0] : 0u, qa[kk][1], MQ ? qb[kk][1] : 0u, b[0],
-                 b[1]);
-        mma16816(sc[1], qa[kk][0], MQ ? qb[kk][0] : 0u, qa[kk][1], MQ ? qb[kk][1] : 0u, b[2],
-                 b[3]);
+        mma16816(sc[0], qa[kk][0], 0u, qa[kk][1], 0u, b[0], b[1]);
+        mma16816(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, b[2], b[3]);
       }
       // online softmax of row gid (base 2); tokens past the split's end score -inf
       float x[2][2], mx = kNegBig;
@@ -926,45 +872,12 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
       // O += P V: P's accumulator layout is the A fragment's (rows gid, k = tokens 2 tig (+8))
       const uint32_t pa0 = h2_bits(__floats2half2_rn(pj[0][0], pj[0][1]));
       const uint32_t pa2 = h2_bits(__floats2half2_rn(pj[1][0], pj[1][1]));
-      uint32_t pb0 = 0u, pb2 = 0u;  // MQ: row gid + 8, the same steps at the second query's end
-      if constexpr (MQ) {
-        float y[2][2], my = kNegBig;
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int r = 8 * j + 2 * tig + e;
-            y[j][e] = r < n_valid_u ? sc[j][2 + e] * scale_log2 : -CUDART_INF_F;
-            my = fmaxf(my, y[j][e]);
-          }
-        my = fmaxf(my, __shfl_xor_sync(0xffffffffu, my, 1));
-        my = fmaxf(my, __shfl_xor_sync(0xffffffffu, my, 2));
-        const float mnb = fmaxf(m_b, my);
-        const float corr_b = exp2f(m_b - mnb);
-        float qj[2][2], qsum = 0.f;
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            qj[j][e] = exp2f(y[j][e] - mnb);
-            qsum += qj[j][e];
-          }
-        l_b = fmaf(l_b, corr_b, qsum);
-        m_b = mnb;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          acc[n][2] *= corr_b;
-          acc[n][3] *= corr_b;
-        }
-        pb0 = h2_bits(__floats2half2_rn(qj[0][0], qj[0][1]));
-        pb2 = h2_bits(__floats2half2_rn(qj[1][0], qj[1][1]));
-      }
 #pragma unroll
       for (int dt = 0; dt < HD / 16; ++dt) {
         uint32_t b[4];
         ldmatrix_x4_trans(b, vst + Ring::at(v_row, 2 * dt + v_q));
-        mma16816(acc[2 * dt], pa0, pb0, pa2, pb2, b[0], b[1]);
-        mma16816(acc[2 * dt + 1], pa0, pb0, pa2, pb2, b[2], b[3]);
+        mma16816(acc[2 * dt], pa0, 0u, pa2, 0u, b[0], b[1]);
+        mma16816(acc[2 * dt + 1], pa0, 0u, pa2, 0u, b[2], b[3]);
       }
       __syncwarp();  // every lane's reads of the stage are done
       if (lane == 0) {
@@ -993,38 +906,9 @@ attn_decode_tma_kernel(half* __restrict__ out, float* __restrict__ ws_acc,
     }
   }
   __syncthreads();
-  if (a_active)  // block-uniform (always, but for a pair whose first query has no page here)
-    finish_split<HD, G, kTmaConsumers, kTmaThreads, Ring::kBytes / (8 * G)>(
-        out, ws_acc, ws_ml, counters, &s_wm[0][0], &s_wl[0][0], reinterpret_cast<float*>(s_ring),
-        reinterpret_cast<float*>(s_ring), &s_last, kvh, split, num_splits, n_active, head0);
-  if constexpr (MQ) {
-    if (b_active) {  // block-uniform: the second query's partials (rows gid + 8), its split end
-      __syncthreads();  // the first query's merge is done with the ring and s_wm / s_wl
-      if (!producer) {  // warp-uniform; shuffles only
-        l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-        l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-        float* s_wacc = reinterpret_cast<float*>(s_ring);  // [warp][g][HD]
-        if (gid < G) {
-#pragma unroll
-          for (int n = 0; n < NT; ++n) {
-            s_wacc[(warp * G + gid) * HD + 8 * n + 2 * tig] = acc[n][2];
-            s_wacc[(warp * G + gid) * HD + 8 * n + 2 * tig + 1] = acc[n][3];
-          }
-          if (tig == 0) {
-            s_wm[warp][gid] = m_b;
-            s_wl[warp][gid] = l_b;
-          }
-        }
-      }
-      __syncthreads();
-      const size_t qs = (size_t)n_heads * num_splits;  // query_slices' strides, one query on
-      finish_split<HD, G, kTmaConsumers, kTmaThreads, Ring::kBytes / (8 * G)>(
-          out + (size_t)n_heads * HD, ws_acc + qs * HD, ws_ml + qs * 2, counters + n_kv,
-          &s_wm[0][0], &s_wl[0][0], reinterpret_cast<float*>(s_ring),
-          reinterpret_cast<float*>(s_ring), &s_last, kvh, split, num_splits, sb.n_active,
-          head0);
-    }
-  }
+  finish_split<HD, G, kTmaConsumers, kTmaThreads, Ring::kBytes / (8 * G)>(
+      out, ws_acc, ws_ml, counters, &s_wm[0][0], &s_wl[0][0], reinterpret_cast<float*>(s_ring),
+      reinterpret_cast<float*>(s_ring), &s_last, kvh, split, num_splits, n_active, head0);
 }
 
 namespace {
