@@ -295,11 +295,11 @@ cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k,
   const int warps = (n + kRows - 1) / kRows;
   const dim3 grid((warps + kWarps - 1) / kWarps);
   // one column: the decode step's instance; 2-4: the same kernel for 4 columns (x reloaded per
-  // column, within 7% of the one-column time up to 4); 5-8: the rows kernel, 4 rows a warp, one
-  // instance per column count; 9-16: the rows kernel for up to 16 columns, 4 rows a warp
-  // (lab/lm_head_cols.py, session 30: 2 rows a warp was no faster than one at 16 columns). Each
-  // column's sums run as in the one-column instance.
-  // exactly NC columns (5-8): 4 rows a warp, a ring of 4 steps, 2 blocks an SM
+  // column, within 7% of the one-column time up to 4); 5-8: the rows kernel, 4 rows a warp, a
+  // ring of 4 steps, 2 blocks an SM, one instance per column count (exact); 9-16: the rows
+  // kernel for up to 16 columns, 4 rows a warp, 1 block an SM (lab/lm_head_cols.py, session 30:
+  // 2 rows a warp was no faster than one at 16 columns). Each column's sums run as in the
+  // one-column instance.
   auto exact = [&](auto nc) {
     return launch_rows<4, 4, decltype(nc)::value, 8, 2, true>(
         "gemv_fp16_rows_kernel<exactly 5-8 columns>", logits, x, w, n, k, cols, stream);
