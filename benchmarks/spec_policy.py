@@ -142,7 +142,8 @@ class Oracle:
     """A bound, not a drafter: knows the reply and drafts exactly the ids that will be kept --
     the longest continuation of an earlier occurrence of the context's last n >= min_n tokens
     that matches the reply (any occurrence; `latest`: only the product's candidate, the latest
-    occurrence of the longest n <= 4), at most k_max -- and nothing where none would be kept."""
+    occurrence of the longest n <= spec.MAX_N), at most k_max -- and nothing where none would be
+    kept."""
 
     def __init__(self, req: dict, ctx, min_n: int = 2, k_max: int = 15, latest: bool = False):
         self.tokens, self.full, self.min_n, self.k_max, self.latest = list(ctx), \
@@ -158,7 +159,9 @@ class Oracle:
         t, full = self.tokens, self.full
         n_ctx, best = len(t), []
         cap = self.k_max if limit is None else min(self.k_max, limit)
-        for n in range(4 if self.latest else 8, self.min_n - 1, -1):
+        from nanoqwen.engine.spec import MAX_N
+
+        for n in range(MAX_N if self.latest else 8, self.min_n - 1, -1):
             ends = [p for p in range(n_ctx - 2, n - 2, -1) if t[p - n + 1:p + 1] == t[-n:]]
             for p in ends[:1] if self.latest else ends:
                 run = 0
@@ -204,16 +207,19 @@ def policies() -> dict:
     return {
         "product NgramDrafter": lambda ctx, req: spec.NgramDrafter(ctx),
         "k_min 1 (session 16 product)": lambda ctx, req: spec.NgramDrafter(
-            ctx, k_min=1),
-        "k_min 1, unigram matches": lambda ctx, req: spec.NgramDrafter(ctx, k_min=1, min_n=1),
-        "unigram matches": lambda ctx, req: spec.NgramDrafter(ctx, min_n=1),
-        "k_min 4": lambda ctx, req: spec.NgramDrafter(ctx, k_min=4),
+            ctx, k_min=1, min_n=2, max_n=4),
+        "n 2..4, k_min 3 (session 17-31 product)": lambda ctx, req: spec.NgramDrafter(
+            ctx, k_min=3, min_n=2, max_n=4),
+        "n 1..4, k_min 3": lambda ctx, req: spec.NgramDrafter(ctx, k_min=3, max_n=4),
+        "n 1..8, k_min 3": lambda ctx, req: spec.NgramDrafter(ctx, k_min=3),
+        "n 1..8, k_min 5": lambda ctx, req: spec.NgramDrafter(ctx, k_min=5, k_start=5),
+        "n 2..8, k_min 4": lambda ctx, req: spec.NgramDrafter(ctx, min_n=2),
         "k_max 15": lambda ctx, req: spec.NgramDrafter(ctx, k_max=15),
         "n >= 1 after a kept draft, >= 2 after a rejection": lambda ctx, req: _adaptive_n(1, 2)(
             ctx),
         "n >= 1 after a kept draft, >= 3 after a rejection": lambda ctx, req: _adaptive_n(1, 3)(
             ctx),
-        "bound: product's candidate, exact length": lambda ctx, req: Oracle(req, ctx,
+        "bound: product's candidate, exact length": lambda ctx, req: Oracle(req, ctx, min_n=1,
                                                                              latest=True),
         "bound: any n >= 2 occurrence, exact length": lambda ctx, req: Oracle(req, ctx),
         "bound: any n >= 1 occurrence, exact length": lambda ctx, req: Oracle(req, ctx, min_n=1),

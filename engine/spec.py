@@ -20,18 +20,25 @@ from collections.abc import Sequence
 
 SPEC_MODES = ("ngram", "draft")  # Backend.spec values besides None (off)
 
-MAX_N = 4        # longest n-gram matched
-MIN_N = 2        # shortest n-gram matched (one token drafts too often wrong to pay)
+# Prompt lookup's n-gram sizes and its shortest draft. Its drafts cost nothing to make; what a
+# drafted id costs is the verify step's growth with T, which the 7B's verify step has made small
+# (t(2) / t(4) / t(8) = 2.52 / 2.63 / 3.00 ms against a 2.26 ms decode step on an H100 since the
+# K/V write went into the attention: results/2026-12-07_s31c1_verify_7b_fold_383ab62_h100.json),
+# while every kept id saves a whole step. So the drafter now drafts from a 1-token match too,
+# prefers the longest match up to 8 tokens (a longer match picks the occurrence that continues
+# like the context), and drafts at least 4 ids whenever it drafts (after a rejection its next
+# draft is not cut to the one past what was kept). Replayed on the bundled model's greedy
+# replies to the code-editing workload (benchmarks/spec_policy.py, RESULTS.md session 32),
+# median ms per generated token, against the former n = 2..4 and 3 ids:
+#   7B shapes on that H100   edits 1.436 -> 1.344, new code 1.776 -> 1.695
+#   the reference backend    edits 9.120 -> 8.277, new code 11.229 -> 10.567 (2-core CPU)
+# The same sizes win on both backends, so both use them. A draft model's ids cost its own
+# steps, so ModelDrafter keeps K_MIN.
+MAX_N = 8        # longest n-gram matched
+MIN_N = 1        # shortest n-gram matched
 K_MIN, K_START, K_MAX = 1, 4, 12  # draft length bounds and start
-# Prompt lookup drafts at least this many ids (when it drafts at all): after a rejection its
-# next draft is not cut to the one past what was kept. A draft costs nothing to make, and the
-# verify step's time hardly grows from two tokens to four -- 2.69 / 2.71 / 2.84 ms at 7B shapes
-# on the H100 against a 2.19 ms decode step (results/2026-12-06_bench_verify_7b_484a693_h100.json)
-# -- while every kept id saves a step. Replayed on the bundled model's replies to the
-# code-editing workload (benchmarks/spec_policy.py, RESULTS.md session 17): 7B estimate 1.606 ->
-# 1.446 ms per token on the edits (median), 1.772 -> 1.755 on new code. A draft model's ids
-# cost its own steps, so ModelDrafter keeps K_MIN.
-NGRAM_K_MIN = 3
+NGRAM_K_MIN = 4
+_ID_BITS = 20     # n-gram keys: ids below 2**20 - 1 (Qwen2's vocabulary is 151936)
 
 
 class _Drafter:
@@ -62,23 +69,30 @@ class NgramDrafter(_Drafter):
         super().__init__(k_start, k_min, k_max)
         self.max_n, self.min_n = max_n, min_n
         self.tokens: list[int] = []
-        # _last[n]: n-gram -> end position of its latest occurrence; _prev[n]: for the n-gram
-        # ending at the last position, the end of its previous occurrence (or -1)
-        self._last: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        # _last[n]: n-gram key -> end position of its latest occurrence; _prev[n]: for the
+        # n-gram ending at the last position, the end of its previous occurrence (-1: none, or
+        # fewer than n ids so far); _keys[n]: that n-gram's key, its ids + 1 packed _ID_BITS
+        # apiece into one int (exact, and half the cost of a tuple per n-gram: 30000 ids index
+        # in 0.11 s at MAX_N 8 here, tuples took 0.19)
+        self._last: list[dict[int, int]] = [{} for _ in range(max_n + 1)]
         self._prev: list[int] = [-1] * (max_n + 1)
+        self._keys: list[int] = [0] * (max_n + 1)
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append tokens to the context (emitted ones only: a rejected draft never enters)."""
-        toks = self.tokens
+        toks, keys, max_n = self.tokens, self._keys, self.max_n
         for t in tokens:
-            toks.append(int(t))
+            t1 = int(t) + 1
+            if not 0 < t1 < 1 << _ID_BITS:
+                raise ValueError(f"token id {t} is outside 0..{(1 << _ID_BITS) - 2}")
+            toks.append(t1 - 1)
             i = len(toks) - 1
-            for n in range(1, self.max_n + 1):
-                if i + 1 < n:
-                    self._prev[n] = -1
-                    continue
-                key = tuple(toks[i + 1 - n:i + 1])
+            m = min(max_n, i + 1)
+            # the n-gram ending here is the (n-1)-gram that ended at i - 1, then this id: from
+            # the longest down, so that keys[n - 1] is still the previous position's
+            for n in range(m, 0, -1):
+                key = keys[n] = (keys[n - 1] << _ID_BITS) | t1
                 d = self._last[n]
                 self._prev[n] = d.get(key, -1)
                 d[key] = i
