@@ -205,11 +205,12 @@ def policies() -> dict:
     from nanoqwen.engine import spec
 
     return {
-        "product NgramDrafter": lambda ctx, req: spec.NgramDrafter(ctx),
+        "CUDA engine's sizes: n 1..8, k_min 4": lambda ctx, req: spec.NgramDrafter(
+            ctx, **spec.NGRAM_CHEAP_VERIFY),
         "k_min 1 (session 16 product)": lambda ctx, req: spec.NgramDrafter(
             ctx, k_min=1, min_n=2, max_n=4),
-        "n 2..4, k_min 3 (session 17-31 product)": lambda ctx, req: spec.NgramDrafter(
-            ctx, k_min=3, min_n=2, max_n=4),
+        "reference's: n 2..4, k_min 3 (sessions 17-31: both)": lambda ctx, req: spec.NgramDrafter(
+            ctx, **spec.NGRAM_DEAR_VERIFY),
         "n 1..4, k_min 3": lambda ctx, req: spec.NgramDrafter(ctx, k_min=3, max_n=4),
         "n 1..8, k_min 3": lambda ctx, req: spec.NgramDrafter(ctx, k_min=3),
         "n 1..8, k_min 5": lambda ctx, req: spec.NgramDrafter(ctx, k_min=5, k_start=5),

@@ -17,27 +17,29 @@ length (the conversation is indexed once per turn: O(context) dict operations).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import MappingProxyType
 
 SPEC_MODES = ("ngram", "draft")  # Backend.spec values besides None (off)
 
-# Prompt lookup's n-gram sizes and its shortest draft. Its drafts cost nothing to make; what a
-# drafted id costs is the verify step's growth with T, which the 7B's verify step has made small
-# (t(2) / t(4) / t(8) = 2.52 / 2.63 / 3.00 ms against a 2.26 ms decode step on an H100 since the
-# K/V write went into the attention: results/2026-12-07_s31c1_verify_7b_fold_383ab62_h100.json),
-# while every kept id saves a whole step. So the drafter now drafts from a 1-token match too,
-# prefers the longest match up to 8 tokens (a longer match picks the occurrence that continues
-# like the context), and drafts at least 4 ids whenever it drafts (after a rejection its next
-# draft is not cut to the one past what was kept). Replayed on the bundled model's greedy
-# replies to the code-editing workload (benchmarks/spec_policy.py, RESULTS.md session 32),
-# median ms per generated token, against the former n = 2..4 and 3 ids:
-#   7B shapes on that H100   edits 1.436 -> 1.344, new code 1.776 -> 1.695
-#   the reference backend    edits 9.120 -> 8.277, new code 11.229 -> 10.567 (2-core CPU)
-# The same sizes win on both backends, so both use them. A draft model's ids cost its own
-# steps, so ModelDrafter keeps K_MIN.
-MAX_N = 8        # longest n-gram matched
-MIN_N = 1        # shortest n-gram matched
-K_MIN, K_START, K_MAX = 1, 4, 12  # draft length bounds and start
-NGRAM_K_MIN = 4
+# Prompt lookup's n-gram sizes and its shortest draft, per backend, from what a drafted id costs
+# there: the verify step's growth with T. Its drafts cost nothing to make, and every kept id
+# saves a whole step. Replayed on the bundled model's greedy replies to the code-editing
+# workload (benchmarks/spec_policy.py, RESULTS.md session 32; median ms per generated token):
+# - The CUDA engine's verify step hardly grows with T since the K/V write went into the
+#   attention (7B on an H100: t(2) / t(4) / t(8) = 2.52 / 2.63 / 3.00 ms against a 2.26 ms
+#   decode step, results/2026-12-07_s31c1_verify_7b_fold_383ab62_h100.json). So it drafts from
+#   a 1-token match too, prefers the longest match up to 8 ids (a longer match picks the
+#   occurrence that continues like the context), and drafts at least 4 ids whenever it drafts
+#   (after a rejection its next draft is not cut to the one past what was kept). At 7B shapes:
+#   edits 1.436 -> 1.344, new code 1.776 -> 1.695 against n 2..4 and 3 ids.
+# - The reference backend's multi-token forward costs 1.45x a decode step at T = 2 on a 2-core
+#   CPU (and is not monotonic in T), so a wrong 1-token guess costs more than it saves there:
+#   n 2..4 and 3 ids stay its best (edits 9.74 against 10.12 with the CUDA engine's sizes).
+NGRAM_CHEAP_VERIFY = MappingProxyType(dict(min_n=1, max_n=8, k_min=4))   # the CUDA engine
+NGRAM_DEAR_VERIFY = MappingProxyType(dict(min_n=2, max_n=4, k_min=3))    # the reference backend
+MAX_N, MIN_N, NGRAM_K_MIN = (NGRAM_CHEAP_VERIFY[k] for k in ("max_n", "min_n", "k_min"))
+K_MIN, K_START, K_MAX = 1, 4, 12  # draft length bounds and start (a draft model's: K_MIN;
+#                                   its ids cost its own steps)
 _ID_BITS = 20     # n-gram keys: ids below 2**20 - 1 (Qwen2's vocabulary is 151936)
 
 

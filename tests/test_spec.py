@@ -238,7 +238,7 @@ def test_the_policy_replay_is_the_backends_own_loop(engine):
         plain = run(be, ids, GREEDY, 120, None, stop)
         run(be, ids, GREEDY, 120, "ngram", stop)
         req = dict(prompt=ids, reply=plain, stop_ids=sorted(stop))
-        steps = sp.replay(lambda ctx, req: NgramDrafter(ctx), req, 120)
+        steps = sp.replay(lambda ctx, req: NgramDrafter(ctx, **be.ngram_sizes), req, 120)
         got = dict(drafted=sum(d for d, _ in steps), accepted=sum(a for _, a in steps),
                    verify_steps=sum(1 for d, _ in steps if d))
         assert got == be.spec_stats and got["verify_steps"] > 0, (got, be.spec_stats)
