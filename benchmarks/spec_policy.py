@@ -205,22 +205,22 @@ def policies() -> dict:
     from nanoqwen.engine import spec
 
     return {
-        "CUDA engine's sizes: n 1..8, k_min 4": lambda ctx, req: spec.NgramDrafter(
-            ctx, **spec.NGRAM_CHEAP_VERIFY),
+        "product NgramDrafter": lambda ctx, req: spec.NgramDrafter(ctx),
         "k_min 1 (session 16 product)": lambda ctx, req: spec.NgramDrafter(
             ctx, k_min=1, min_n=2, max_n=4),
-        "reference's: n 2..4, k_min 3 (sessions 17-31: both)": lambda ctx, req: spec.NgramDrafter(
-            ctx, **spec.NGRAM_DEAR_VERIFY),
-        "n 1..4, k_min 3": lambda ctx, req: spec.NgramDrafter(ctx, k_min=3, max_n=4),
-        "n 1..8, k_min 3": lambda ctx, req: spec.NgramDrafter(ctx, k_min=3),
-        "n 1..8, k_min 5": lambda ctx, req: spec.NgramDrafter(ctx, k_min=5, k_start=5),
-        "n 2..8, k_min 4": lambda ctx, req: spec.NgramDrafter(ctx, min_n=2),
+        "n 1..8, k_min 4 (session 32's replay pick)": lambda ctx, req: spec.NgramDrafter(
+            ctx, min_n=1, max_n=8, k_min=4),
+        "n 1..4, k_min 3": lambda ctx, req: spec.NgramDrafter(ctx, min_n=1),
+        "n 1..8, k_min 3": lambda ctx, req: spec.NgramDrafter(ctx, min_n=1, max_n=8),
+        "n 1..8, k_min 5": lambda ctx, req: spec.NgramDrafter(ctx, min_n=1, max_n=8, k_min=5,
+                                                              k_start=5),
+        "n 2..8, k_min 4": lambda ctx, req: spec.NgramDrafter(ctx, max_n=8, k_min=4),
         "k_max 15": lambda ctx, req: spec.NgramDrafter(ctx, k_max=15),
         "n >= 1 after a kept draft, >= 2 after a rejection": lambda ctx, req: _adaptive_n(1, 2)(
             ctx),
         "n >= 1 after a kept draft, >= 3 after a rejection": lambda ctx, req: _adaptive_n(1, 3)(
             ctx),
-        "bound: product's candidate, exact length": lambda ctx, req: Oracle(req, ctx, min_n=1,
+        "bound: product's candidate, exact length": lambda ctx, req: Oracle(req, ctx,
                                                                              latest=True),
         "bound: any n >= 2 occurrence, exact length": lambda ctx, req: Oracle(req, ctx),
         "bound: any n >= 1 occurrence, exact length": lambda ctx, req: Oracle(req, ctx, min_n=1),

@@ -17,29 +17,26 @@ length (the conversation is indexed once per turn: O(context) dict operations).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import MappingProxyType
 
 SPEC_MODES = ("ngram", "draft")  # Backend.spec values besides None (off)
 
-# Prompt lookup's n-gram sizes and its shortest draft, per backend, from what a drafted id costs
-# there: the verify step's growth with T. Its drafts cost nothing to make, and every kept id
-# saves a whole step. Replayed on the bundled model's greedy replies to the code-editing
-# workload (benchmarks/spec_policy.py, RESULTS.md session 32; median ms per generated token):
-# - The CUDA engine's verify step hardly grows with T since the K/V write went into the
-#   attention (7B on an H100: t(2) / t(4) / t(8) = 2.52 / 2.63 / 3.00 ms against a 2.26 ms
-#   decode step, results/2026-12-07_s31c1_verify_7b_fold_383ab62_h100.json). So it drafts from
-#   a 1-token match too, prefers the longest match up to 8 ids (a longer match picks the
-#   occurrence that continues like the context), and drafts at least 4 ids whenever it drafts
-#   (after a rejection its next draft is not cut to the one past what was kept). At 7B shapes:
-#   edits 1.436 -> 1.344, new code 1.776 -> 1.695 against n 2..4 and 3 ids.
-# - The reference backend's multi-token forward costs 1.45x a decode step at T = 2 on a 2-core
-#   CPU (and is not monotonic in T), so a wrong 1-token guess costs more than it saves there:
-#   n 2..4 and 3 ids stay its best (edits 9.74 against 10.12 with the CUDA engine's sizes).
-NGRAM_CHEAP_VERIFY = MappingProxyType(dict(min_n=1, max_n=8, k_min=4))   # the CUDA engine
-NGRAM_DEAR_VERIFY = MappingProxyType(dict(min_n=2, max_n=4, k_min=3))    # the reference backend
-MAX_N, MIN_N, NGRAM_K_MIN = (NGRAM_CHEAP_VERIFY[k] for k in ("max_n", "min_n", "k_min"))
-K_MIN, K_START, K_MAX = 1, 4, 12  # draft length bounds and start (a draft model's: K_MIN;
-#                                   its ids cost its own steps)
+MAX_N = 4        # longest n-gram matched
+MIN_N = 2        # shortest n-gram matched (one token drafts too often wrong to pay)
+K_MIN, K_START, K_MAX = 1, 4, 12  # draft length bounds and start
+# Prompt lookup drafts at least this many ids (when it drafts at all): after a rejection its
+# next draft is not cut to the one past what was kept. A draft costs nothing to make, and the
+# verify step's time hardly grows from two tokens to four -- 2.69 / 2.71 / 2.84 ms at 7B shapes
+# on the H100 against a 2.19 ms decode step (results/2026-12-06_bench_verify_7b_484a693_h100.json)
+# -- while every kept id saves a step. Replayed on the bundled model's replies to the
+# code-editing workload (benchmarks/spec_policy.py, RESULTS.md session 17): 7B estimate 1.606 ->
+# 1.446 ms per token on the edits (median), 1.772 -> 1.755 on new code. A draft model's ids
+# cost its own steps, so ModelDrafter keeps K_MIN.
+# Session 32 replayed 1-token matches, n up to 8 and 4 ids at the 7B's newer t(k) (edits 1.344
+# against 1.436 there), but on the device the bundled model in graph mode, the product's
+# default, lost with them (`bench --spec ngram`: 0.86x plain decoding against 1.23x), and the
+# reference backend lost too (RESULTS.md session 32): the replay prices a verify step at its
+# GPU time alone.
+NGRAM_K_MIN = 3
 _ID_BITS = 20     # n-gram keys: ids below 2**20 - 1 (Qwen2's vocabulary is 151936)
 
 
@@ -74,8 +71,9 @@ class NgramDrafter(_Drafter):
         # _last[n]: n-gram key -> end position of its latest occurrence; _prev[n]: for the
         # n-gram ending at the last position, the end of its previous occurrence (-1: none, or
         # fewer than n ids so far); _keys[n]: that n-gram's key, its ids + 1 packed _ID_BITS
-        # apiece into one int (exact, and half the cost of a tuple per n-gram: 30000 ids index
-        # in 0.11 s at MAX_N 8 here, tuples took 0.19)
+        # apiece into one int, each from the previous position's (n-1)-gram key (exact, and
+        # cheaper than a tuple slice per n-gram: 30000 ids index in 0.071 s here, 0.099 with
+        # tuples; 0.11 against 0.19 at n <= 8)
         self._last: list[dict[int, int]] = [{} for _ in range(max_n + 1)]
         self._prev: list[int] = [-1] * (max_n + 1)
         self._keys: list[int] = [0] * (max_n + 1)

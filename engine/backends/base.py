@@ -50,9 +50,6 @@ class Backend:
     modes: tuple[str, ...] = ("eager",)
     # speculative decoding this backend can verify (engine/spec.py; needs forward_all)
     spec_modes: tuple[str, ...] = ()
-    # prompt lookup's n-gram sizes and shortest draft (NgramDrafter's keywords), by what a
-    # drafted id costs this backend's verify step (engine/spec.py); {}: NgramDrafter's defaults
-    ngram_sizes: Mapping[str, int] = {}
 
     def __init__(self, config: ModelConfig, max_context: int) -> None:
         self.config = config
@@ -213,7 +210,7 @@ class Backend:
         yield [StepEvent(token, ms, True)]   # TTFT never waits for a window
         context = self.kv_tokens + [token]
         drafter = (ModelDrafter(self.draft_backend, context, self.config.vocab_size)
-                   if self._spec == "draft" else NgramDrafter(context, **self.ngram_sizes))
+                   if self._spec == "draft" else NgramDrafter(context))
         n_out, last = 1, token
         pending: list[StepEvent] = []
         while not (last in stop_ids or n_out >= max_new_tokens

@@ -36,7 +36,7 @@ from ..errors import NanoqwenError
 from ..kv_cache import KVCache
 from ..rope import rope_tables
 from ..service import MODES, PREFILL_WEIGHTS
-from ..spec import K_MAX, NGRAM_CHEAP_VERIFY, SPEC_MODES
+from ..spec import K_MAX, SPEC_MODES
 from ..switches import read_switches
 from ..synthetic import SyntheticWeights
 from .base import Backend, ModelFileTensors, StepEvent
@@ -92,7 +92,6 @@ class CudaBackend(Backend):
     # speculation verifies its drafts with the engine's verify step (forward_all): up to
     # MAX_VERIFY tokens in one pass over the weights, each row's logits as a decode step's
     spec_modes = SPEC_MODES
-    ngram_sizes = NGRAM_CHEAP_VERIFY   # t(T) hardly grows with T (engine/spec.py)
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, torch.Tensor],
                  max_context: int | None = None, mode: str = "graph",

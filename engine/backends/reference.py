@@ -33,7 +33,7 @@ from ..errors import NanoqwenError
 from ..kv_cache import KVCache
 from ..quant import dequantize
 from ..rope import rope_freqs
-from ..spec import NGRAM_DEAR_VERIFY, SPEC_MODES
+from ..spec import SPEC_MODES
 from .base import Backend, ModelFileTensors, StepEvent
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -268,7 +268,6 @@ class ReferenceBackend(Backend):
     name = "reference"
     modes = ("eager",)
     spec_modes = SPEC_MODES   # verified with forward_all (the multi-token forward)
-    ngram_sizes = NGRAM_DEAR_VERIFY   # forward_all's T = 2 costs 1.45x a step (engine/spec.py)
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, torch.Tensor],
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
