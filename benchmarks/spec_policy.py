@@ -115,8 +115,18 @@ def replay(make_drafter, req: dict, n_gen: int) -> list[tuple[int, int]]:
     return steps
 
 
+HOST_MS: float | None = None   # --host-ms
+
+
 def cost(steps, t_of: dict[int, float], t_plain: float) -> float:
-    return sum(t_of[1 + d] if d else t_plain for d, _ in steps)
+    """A replayed request's decode time. By default a step with drafts costs t(1 + drafts)
+    and one without a graph decode step (t_plain): the GPU's time alone. With --host-ms H every
+    step costs t(1 + drafts) + H, as the product runs them: each speculation step, drafted or
+    not, is a verify call whose ids the host reads before it launches the next (a step without
+    drafts is a verify of T = 1), where plain decoding runs ahead of the host."""
+    if HOST_MS is None:
+        return sum(t_of[1 + d] if d else t_plain for d, _ in steps)
+    return sum(t_of[1 + d] + HOST_MS for d, _ in steps)
 
 
 def evaluate(name: str, make_drafter, reqs, n_gen, t_of, t_plain) -> dict:
@@ -236,12 +246,17 @@ def main(argv=None) -> int:
                     help="hypothetical t(k) from the measured decode step: 'ideal' every T <= 8 "
                          "at one decode step (+10%% past 8), 'target' every T <= 8 at most 1.3x "
                          "(issue 13 item 3)")
+    ap.add_argument("--host-ms", type=float, default=None,
+                    help="price every speculation step as t(1 + drafts) + this host round trip "
+                         "(ms) instead of the GPU time alone (see cost())")
     ap.add_argument("--replies", default="/tmp/nanoqwen_spec_replies.json")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     from nanoqwen.engine.bench import _commit as commit
 
     tk = cpu_tk() if a.tk == "cpu" else json.loads(Path(a.tk).read_text())
+    global HOST_MS
+    HOST_MS = a.host_ms
     if a.what_if:   # hypothetical verify steps, from the measured decode step
         d = tk["decode_graph_ms"]
         for r in tk["rows"]:
@@ -261,7 +276,8 @@ def main(argv=None) -> int:
         rp.write_text(json.dumps(reqs))
         print(f"plain greedy replies computed in {time.perf_counter() - t0:.0f} s -> {rp}")
     rows = [evaluate(name, mk, reqs, N_GEN, t_of, t_plain) for name, mk in policies().items()]
-    print(f"t(k) from {a.tk} ({tk['device']}, {tk['commit']}): plain decode {t_plain:.3f} ms")
+    print(f"t(k) from {a.tk} ({tk['device']}, {tk['commit']}): plain decode {t_plain:.3f} ms"
+          + (f", host round trip {HOST_MS} ms a speculation step" if HOST_MS is not None else ""))
     print(f"{'policy':52s} {'kind':4s} {'drafted':>7s} {'kept':>5s} {'vsteps':>6s} "
           f"{'steps':>5s} {'tok/vstep':>9s} {'est ms/tok (median, total)':>27s}")
     for r in rows:
@@ -279,7 +295,8 @@ def main(argv=None) -> int:
         Path(a.json).write_text(json.dumps(dict(
             what="drafting policies replayed on the bundled model's plain greedy replies "
                  "(benchmarks/spec_policy.py), costed with t(k) at 7B shapes",
-            tk_from=a.tk, what_if=a.what_if, tk_device=tk["device"], tk_commit=tk["commit"],
+            tk_from=a.tk, what_if=a.what_if, host_ms=a.host_ms, tk_device=tk["device"],
+            tk_commit=tk["commit"],
             n_gen=N_GEN,
             tk=[dict(k=r["k"], ms=r["ms"]) for r in tk["rows"]],
             plain_decode_ms=t_plain, replay_matches_bench=ok, rows=rows,
