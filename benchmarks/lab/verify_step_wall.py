@@ -4,8 +4,10 @@ graph and eager mode: the wall clock around the call (host work, the copies, the
 graph replay, the argmax and its .tolist() sync) and, apart, the GPU time of core.verify alone
 (CUDA events on the engine's stream). Session 32: `bench --spec ngram` on the bundled model
 lost in graph mode with more verify steps (0.86x plain) but not in eager (1.36x); this says
-which T costs what.
-    python benchmarks/lab/verify_step_wall.py [--model FILE] [--context 300] [--reps 30] [--json F]"""
+which T costs what. With --preset (e.g. 7b) the backend is CudaBackend.synthetic at that preset's
+shapes (random weights made on the GPU, as bench_verify.py), so the 7B step's host share shows.
+    python benchmarks/lab/verify_step_wall.py [--model FILE | --preset 7b] [--context 300]
+                                              [--reps 30] [--json F]"""
 
 from __future__ import annotations
 
@@ -19,17 +21,23 @@ import time
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
+    ap.add_argument("--preset", default=None, help="synthetic weights at a preset's shapes")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     import torch
 
-    from nanoqwen.engine import loader
-    from nanoqwen.engine.service import default_model_path
+    if a.preset:
+        from nanoqwen.engine.backends.cuda import CudaBackend
+        from nanoqwen.engine.config import ModelConfig
 
-    eng = loader.load(a.model or default_model_path(), backend="cuda")
-    be = eng.backend
+        be = CudaBackend.synthetic(ModelConfig.from_name(a.preset), max_context=a.context + 64)
+    else:
+        from nanoqwen.engine import loader
+        from nanoqwen.engine.service import default_model_path
+
+        be = loader.load(a.model or default_model_path(), backend="cuda").backend
     V = be.config.vocab_size
     ids = [(i * 7919) % (V - 10) + 5 for i in range(a.context + 20)]
     out = dict(model=be.config.name, device=be.device_name, context=a.context, reps=a.reps,

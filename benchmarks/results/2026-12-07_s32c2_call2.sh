@@ -14,6 +14,8 @@ t "tests/gpu (the submission)"
 timeout 260 python3 -m pytest tests/gpu -q --tb=line -p no:cacheprovider 2>&1 | tail -8
 t "verify_step_wall (bundled model)"
 timeout 90 python3 benchmarks/lab/verify_step_wall.py --json "$R/verify_step_wall_tiny.json" 2>&1 | tail -28
+t "verify_step_wall (7B shapes, synthetic; added after the call was planned)"
+timeout 150 python3 benchmarks/lab/verify_step_wall.py --preset 7b --reps 15 --json "$R/verify_step_wall_7b.json" 2>&1 | tail -28
 t "racecheck tma=1 (engine eager decode, attn kernels instrumented)"
 log="$OUT/racecheck_engine_tma1.log"
 NANOQWEN_PDL=0 timeout ${RACE_S:-60} "$CS" --tool racecheck --racecheck-report all --error-exitcode 99 \
