@@ -115,21 +115,18 @@ def replay(make_drafter, req: dict, n_gen: int) -> list[tuple[int, int]]:
     return steps
 
 
-HOST_MS: float | None = None   # --host-ms
-
-
-def cost(steps, t_of: dict[int, float], t_plain: float) -> float:
+def cost(steps, t_of: dict[int, float], t_plain: float, host_ms: float | None = None) -> float:
     """A replayed request's decode time. By default a step with drafts costs t(1 + drafts)
     and one without a graph decode step (t_plain): the GPU's time alone. With --host-ms H every
     step costs t(1 + drafts) + H, as the product runs them: each speculation step, drafted or
     not, is a verify call whose ids the host reads before it launches the next (a step without
     drafts is a verify of T = 1), where plain decoding runs ahead of the host."""
-    if HOST_MS is None:
+    if host_ms is None:
         return sum(t_of[1 + d] if d else t_plain for d, _ in steps)
-    return sum(t_of[1 + d] + HOST_MS for d, _ in steps)
+    return sum(t_of[1 + d] + host_ms for d, _ in steps)
 
 
-def evaluate(name: str, make_drafter, reqs, n_gen, t_of, t_plain) -> dict:
+def evaluate(name: str, make_drafter, reqs, n_gen, t_of, t_plain, host_ms=None) -> dict:
     row = dict(policy=name)
     for kind in ("edit", "new"):
         group = [r for r in reqs if r["kind"] == kind]
@@ -138,13 +135,13 @@ def evaluate(name: str, make_drafter, reqs, n_gen, t_of, t_plain) -> dict:
         accepted = sum(a for st in per for _, a in st)
         vsteps = sum(1 for st in per for d, _ in st if d)
         after = [len(r["reply"]) - 1 for r in group]
-        ests = [cost(st, t_of, t_plain) / n for st, n in zip(per, after)]
+        costs = [cost(st, t_of, t_plain, host_ms) for st in per]
         row[kind] = dict(requests=len(group), drafted=drafted, accepted=accepted,
                          verify_steps=vsteps, steps=sum(len(st) for st in per),
                          tokens_per_verify_step=(accepted + vsteps) / vsteps if vsteps else None,
-                         est_ms_per_token_median=statistics.median(ests),
-                         est_ms_per_token_total=sum(cost(st, t_of, t_plain) for st in per)
-                         / sum(after))
+                         est_ms_per_token_median=statistics.median(
+                             c / n for c, n in zip(costs, after)),
+                         est_ms_per_token_total=sum(costs) / sum(after))
     return row
 
 
@@ -156,8 +153,11 @@ class Oracle:
     kept."""
 
     def __init__(self, req: dict, ctx, min_n: int = 2, k_max: int = 15, latest: bool = False):
+        from nanoqwen.engine.spec import MAX_N
+
         self.tokens, self.full, self.min_n, self.k_max, self.latest = list(ctx), \
             req["prompt"] + req["reply"], min_n, k_max, latest
+        self.max_n = MAX_N if latest else 8   # the product's candidate, or any n <= 8
 
     def extend(self, ids) -> None:
         self.tokens.extend(ids)
@@ -169,9 +169,7 @@ class Oracle:
         t, full = self.tokens, self.full
         n_ctx, best = len(t), []
         cap = self.k_max if limit is None else min(self.k_max, limit)
-        from nanoqwen.engine.spec import MAX_N
-
-        for n in range(MAX_N if self.latest else 8, self.min_n - 1, -1):
+        for n in range(self.max_n, self.min_n - 1, -1):
             ends = [p for p in range(n_ctx - 2, n - 2, -1) if t[p - n + 1:p + 1] == t[-n:]]
             for p in ends[:1] if self.latest else ends:
                 run = 0
@@ -255,8 +253,6 @@ def main(argv=None) -> int:
     from nanoqwen.engine.bench import _commit as commit
 
     tk = cpu_tk() if a.tk == "cpu" else json.loads(Path(a.tk).read_text())
-    global HOST_MS
-    HOST_MS = a.host_ms
     if a.what_if:   # hypothetical verify steps, from the measured decode step
         d = tk["decode_graph_ms"]
         for r in tk["rows"]:
@@ -275,9 +271,11 @@ def main(argv=None) -> int:
         reqs = plain_replies(N_GEN)
         rp.write_text(json.dumps(reqs))
         print(f"plain greedy replies computed in {time.perf_counter() - t0:.0f} s -> {rp}")
-    rows = [evaluate(name, mk, reqs, N_GEN, t_of, t_plain) for name, mk in policies().items()]
+    rows = [evaluate(name, mk, reqs, N_GEN, t_of, t_plain, a.host_ms)
+            for name, mk in policies().items()]
     print(f"t(k) from {a.tk} ({tk['device']}, {tk['commit']}): plain decode {t_plain:.3f} ms"
-          + (f", host round trip {HOST_MS} ms a speculation step" if HOST_MS is not None else ""))
+          + (f", host round trip {a.host_ms} ms a speculation step" if a.host_ms is not None
+             else ""))
     print(f"{'policy':52s} {'kind':4s} {'drafted':>7s} {'kept':>5s} {'vsteps':>6s} "
           f"{'steps':>5s} {'tok/vstep':>9s} {'est ms/tok (median, total)':>27s}")
     for r in rows:
