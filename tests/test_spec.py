@@ -102,6 +102,45 @@ def test_drafter_no_match_no_draft_and_adapts():
         NgramDrafter([], min_n=3, max_n=2)
 
 
+def _latest_longest_match(toks: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The drafter's rule by brute force: for n from max_n down to min_n, the ids after the
+    latest earlier occurrence of the last n ids (ending before the last position)."""
+    end = len(toks) - 1
+    for n in range(max_n, min_n - 1, -1):
+        if n > len(toks):
+            continue
+        for p in range(end - 1, n - 2, -1):
+            if toks[p + 1 - n:p + 1] == toks[end + 1 - n:]:
+                return toks[p + 1:p + 1 + k]
+    return []
+
+
+def test_drafter_index_is_the_brute_force_rule():
+    """The packed-int n-gram index gives the brute-force rule's draft at every length of fresh
+    random sequences over small vocabularies (many repeats, so long and 1-token matches both
+    occur), extended one id at a time and in chunks, with ids up to the largest allowed."""
+    from nanoqwen.engine.spec import MAX_N, MIN_N, _ID_BITS
+
+    seed = int(torch.randint(0, 2**31, (1,)))
+    g = torch.Generator().manual_seed(seed)
+    for min_n, max_n in ((MIN_N, MAX_N), (1, 8)):
+        for vocab in (2, 3, 7, 50):
+            toks = torch.randint(0, vocab, (300,), generator=g).tolist()
+            toks = [t if t else (1 << _ID_BITS) - 2 for t in toks]   # the top id packs exactly
+            d = NgramDrafter(toks[:5], min_n=min_n, max_n=max_n, k_start=6, k_min=6, k_max=6)
+            n = 5
+            while n < len(toks):
+                step = int(torch.randint(1, 4, (1,), generator=g))
+                d.extend(toks[n:n + step])
+                n = min(n + step, len(toks))
+                want = _latest_longest_match(toks[:n], min_n, max_n, 6)
+                assert d.draft() == want, (seed, min_n, max_n, vocab, n)
+    with pytest.raises(ValueError, match="outside"):
+        NgramDrafter([1, 1 << _ID_BITS])
+    with pytest.raises(ValueError, match="outside"):
+        NgramDrafter([3, -1])
+
+
 def test_prompt_lookup_drafts_at_least_ngram_k_min_after_a_rejection():
     """Prompt lookup's drafts are free and the verify step's time hardly grows from 2 to 4
     tokens (spec.NGRAM_K_MIN's reason): after a rejection the next draft is not cut below
