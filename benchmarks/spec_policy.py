@@ -115,27 +115,101 @@ def replay(make_drafter, req: dict, n_gen: int) -> list[tuple[int, int]]:
     return steps
 
 
-def cost(steps, t_of: dict[int, float], t_plain: float, host_ms: float | None = None) -> float:
+def replay_runs(make_drafter, req: dict, n_gen: int, overshoot: int, patience: int = 0
+                ) -> tuple[list[tuple[int, int]], int]:
+    """The same loop with plain runs (Backend._spec_chunks on a backend with spec_runs_plain,
+    the CUDA engine since session 33): where nothing is drafted, plain steps until the drafter
+    would draft after an id that is not the turn's first, then `overshoot` more ids (the steps
+    already under way on the device when the host stops the run; 0 with sampling and a fixed
+    seed). With `patience` p a run starts only after p steps in a row without drafts (each a
+    verify of the last token alone, (0, -1)). Per step (drafts, accepted), a plain step (0, 0);
+    and the runs started after the turn's first (each pays a start on the host)."""
+    reply, stop = req["reply"], set(req["stop_ids"])
+    drafter = make_drafter(req["prompt"], req)
+    n_out, last, steps, runs, dry = 0, -1, [], 0, 0
+
+    def over() -> bool:
+        return last in stop or n_out >= n_gen or n_out >= len(reply)
+
+    while not (n_out and over()):
+        limit = n_gen - n_out - 1
+        drafts = drafter.draft(limit) if n_out and limit > 0 else []
+        if not drafts and n_out and dry < patience:
+            dry += 1
+            last = reply[n_out]
+            drafter.extend([last])
+            steps.append((0, -1))
+            n_out += 1
+            continue
+        dry = 0
+        if not drafts:
+            runs += bool(n_out)
+            stop_at = None
+            while True:
+                last = reply[n_out]
+                drafter.extend([last])
+                if n_out:
+                    steps.append((0, 0))   # the turn's first id is the prefill's, not a step
+                n_out += 1
+                if over():
+                    break
+                if stop_at is None and n_out > 1 and drafter.draft(1):
+                    stop_at = n_out + overshoot
+                if stop_at is not None and n_out >= stop_at:
+                    break
+            continue
+        emitted, kept = [], 0
+        for i, d in enumerate(drafts):
+            t = reply[n_out + i]
+            emitted.append(t)
+            if t == d:
+                kept += 1
+            if t != d or t in stop:
+                break
+        else:
+            emitted.append(reply[n_out + len(drafts)])
+        drafter.update(len(drafts), kept)
+        drafter.extend(emitted)
+        steps.append((len(drafts), kept))
+        n_out += len(emitted)
+        last = emitted[-1]
+    assert n_out == len(reply), (n_out, len(reply))
+    return steps, runs
+
+
+def cost(steps, t_of: dict[int, float], t_plain: float, host_ms: float | None = None,
+         runs: int | None = None, run_start_ms: float = 0.0) -> float:
     """A replayed request's decode time. By default a step with drafts costs t(1 + drafts)
     and one without a graph decode step (t_plain): the GPU's time alone. With --host-ms H every
     step costs t(1 + drafts) + H, as the product runs them: each speculation step, drafted or
     not, is a verify call whose ids the host reads before it launches the next (a step without
-    drafts is a verify of T = 1), where plain decoding runs ahead of the host."""
+    drafts is a verify of T = 1), where plain decoding runs ahead of the host. With `runs`
+    (replay_runs' count: plain runs) a step without drafts is a plain step (t_plain, run ahead),
+    a verify step costs t(1 + drafts) + H, and each run started after the first run_start_ms."""
+    if runs is not None:
+        return sum(t_of[1 + d] + (host_ms or 0.0) if d or a < 0 else t_plain
+                   for d, a in steps) + runs * run_start_ms
     if host_ms is None:
         return sum(t_of[1 + d] if d else t_plain for d, _ in steps)
     return sum(t_of[1 + d] + host_ms for d, _ in steps)
 
 
-def evaluate(name: str, make_drafter, reqs, n_gen, t_of, t_plain, host_ms=None) -> dict:
+def evaluate(name: str, make_drafter, reqs, n_gen, t_of, t_plain, host_ms=None,
+             overshoot: int | None = None, run_start_ms: float = 0.0, patience: int = 0) -> dict:
     row = dict(policy=name)
     for kind in ("edit", "new"):
         group = [r for r in reqs if r["kind"] == kind]
-        per = [replay(make_drafter, r, n_gen) for r in group]
+        if overshoot is None:
+            per, n_runs = [replay(make_drafter, r, n_gen) for r in group], [None] * len(group)
+        else:
+            per, n_runs = zip(*[replay_runs(make_drafter, r, n_gen, overshoot, patience)
+                                for r in group])
+            row[kind + "_plain_runs"] = sum(n_runs)
         drafted = sum(d for st in per for d, _ in st)
-        accepted = sum(a for st in per for _, a in st)
+        accepted = sum(a for st in per for d, a in st if d)
         vsteps = sum(1 for st in per for d, _ in st if d)
         after = [len(r["reply"]) - 1 for r in group]
-        costs = [cost(st, t_of, t_plain, host_ms) for st in per]
+        costs = [cost(st, t_of, t_plain, host_ms, nr, run_start_ms) for st, nr in zip(per, n_runs)]
         row[kind] = dict(requests=len(group), drafted=drafted, accepted=accepted,
                          verify_steps=vsteps, steps=sum(len(st) for st in per),
                          tokens_per_verify_step=(accepted + vsteps) / vsteps if vsteps else None,
@@ -247,6 +321,15 @@ def main(argv=None) -> int:
     ap.add_argument("--host-ms", type=float, default=None,
                     help="price every speculation step as t(1 + drafts) + this host round trip "
                          "(ms) instead of the GPU time alone (see cost())")
+    ap.add_argument("--runs-plain", type=int, default=None, metavar="OVERSHOOT",
+                    help="replay the loop with plain runs (replay_runs): steps without drafts run "
+                         "ahead at the plain step's cost, a run stops OVERSHOOT ids after the "
+                         "drafter matches; --host-ms then prices verify steps only")
+    ap.add_argument("--run-start-ms", type=float, default=0.0,
+                    help="with --runs-plain: the host's cost of starting each run (start_turn)")
+    ap.add_argument("--patience", type=int, default=0,
+                    help="with --runs-plain: steps without drafts (each a verify of one token) "
+                         "before a run starts")
     ap.add_argument("--replies", default="/tmp/nanoqwen_spec_replies.json")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -271,11 +354,13 @@ def main(argv=None) -> int:
         reqs = plain_replies(N_GEN)
         rp.write_text(json.dumps(reqs))
         print(f"plain greedy replies computed in {time.perf_counter() - t0:.0f} s -> {rp}")
-    rows = [evaluate(name, mk, reqs, N_GEN, t_of, t_plain, a.host_ms)
-            for name, mk in policies().items()]
+    rows = [evaluate(name, mk, reqs, N_GEN, t_of, t_plain, a.host_ms, a.runs_plain,
+                     a.run_start_ms, a.patience) for name, mk in policies().items()]
     print(f"t(k) from {a.tk} ({tk['device']}, {tk['commit']}): plain decode {t_plain:.3f} ms"
           + (f", host round trip {a.host_ms} ms a speculation step" if a.host_ms is not None
-             else ""))
+             else "")
+          + (f"; plain runs, overshoot {a.runs_plain}, {a.run_start_ms} ms a run's start, "
+             f"patience {a.patience}" if a.runs_plain is not None else ""))
     print(f"{'policy':52s} {'kind':4s} {'drafted':>7s} {'kept':>5s} {'vsteps':>6s} "
           f"{'steps':>5s} {'tok/vstep':>9s} {'est ms/tok (median, total)':>27s}")
     for r in rows:
@@ -293,7 +378,8 @@ def main(argv=None) -> int:
         Path(a.json).write_text(json.dumps(dict(
             what="drafting policies replayed on the bundled model's plain greedy replies "
                  "(benchmarks/spec_policy.py), costed with t(k) at 7B shapes",
-            tk_from=a.tk, what_if=a.what_if, host_ms=a.host_ms, tk_device=tk["device"],
+            tk_from=a.tk, what_if=a.what_if, host_ms=a.host_ms, runs_plain=a.runs_plain,
+            run_start_ms=a.run_start_ms, patience=a.patience, tk_device=tk["device"],
             tk_commit=tk["commit"],
             n_gen=N_GEN,
             tk=[dict(k=r["k"], ms=r["ms"]) for r in tk["rows"]],

@@ -436,7 +436,8 @@ void* mapped(const Tensor& t) {
 }
 
 void advance_step(Tensor& token_in, Tensor& pos, Tensor& ctx_tokens, Tensor& counter,
-                  Tensor& host_ring, const Tensor& sampled, const Tensor& stops, Tensor& halt) {
+                  Tensor& host_ring, const Tensor& sampled, const Tensor& stops, Tensor& halt,
+                  const c10::optional<Tensor>& params_i) {
   const char* op = "advance_step";
   check_arg(op, "token_in", token_in, at::kInt);
   check_arg(op, "pos", pos, at::kInt);
@@ -451,6 +452,11 @@ void advance_step(Tensor& token_in, Tensor& pos, Tensor& ctx_tokens, Tensor& cou
   check_dims(op, "stops", stops, {1 + nanoqwen::kMaxStops});
   for (const Tensor* t : Ts{&pos, &ctx_tokens, &counter, &sampled, &stops})
     same_device(op, token_in, *t, "an input");
+  if (params_i.has_value()) {   // the sampler's parameters: [3] is the n-gram watch
+    check_arg(op, "params_i", *params_i, at::kLong);
+    check_dims(op, "params_i", *params_i, {4});
+    same_device(op, token_in, *params_i, "an input");
+  }
   const c10::cuda::CUDAGuard g(token_in.device());
   check_launch(op, nanoqwen::advance_step(token_in.data_ptr<int32_t>(), pos.data_ptr<int32_t>(),
                                           ctx_tokens.data_ptr<int32_t>(),
@@ -459,6 +465,8 @@ void advance_step(Tensor& token_in, Tensor& pos, Tensor& ctx_tokens, Tensor& cou
                                           (int)host_ring.size(0), sampled.data_ptr<int32_t>(),
                                           stops.data_ptr<int32_t>(),
                                           static_cast<int32_t*>(mapped(halt)),
+                                          params_i.has_value() ? params_i->data_ptr<int64_t>()
+                                                               : nullptr,
                                           stream_of(token_in)));
 }
 
@@ -1175,6 +1183,14 @@ class Engine : public torch::CustomClassHolder {
     check_cuda(cudaMemcpyAsync(vargs_.pos, &pos32, sizeof(int32_t), cudaMemcpyHostToDevice,
                                stream_),
                "verify: cudaMemcpyAsync of the position to the device");
+    // and into ctx_tokens at their positions, as the prefill and every decode step's advance
+    // write theirs: the sampler's repetition penalty reads its window there, and a sampled
+    // step after speculation (a plain run, a later turn) must see these ids, not stale ones.
+    // A rejected draft's slot is rewritten by whatever fills its position next.
+    check_cuda(cudaMemcpyAsync(g_[20].data_ptr<int32_t>() + pos0, vargs_.ids, T * sizeof(int32_t),
+                               cudaMemcpyDeviceToDevice, stream_),
+               "verify: cudaMemcpyAsync of " + std::to_string(T) + " ids to ctx_tokens[" +
+                   std::to_string(pos0) + "..]");
     if (graph && !vexec_[T] && !vgraph_refused_) {
       if (nanoqwen::capture_verify(a_, vargs_, (int)T, stream_, &vexec_[T]) != cudaSuccess) {
         vgraph_refused_ = true;   // eager from now on; the reason kept for verify_note()
@@ -1378,9 +1394,11 @@ TORCH_LIBRARY(nanoqwen, m) {
   m.def("sample_token(Tensor! out_token, Tensor! work, Tensor logits, Tensor ctx_tokens, "
         "Tensor pos, Tensor params_f, Tensor params_i, Tensor counter, "
         "Tensor(a!)? path=None, int blocks=0) -> ()");
-  // end of step: sampled id -> next input, pos += 1, context ids, pinned host ring, counter += 1
+  // end of step: sampled id -> next input, pos += 1, context ids, pinned host ring, counter += 1;
+  // with params_i, its [3] the n-gram watch (kernels.h)
   m.def("advance_step(Tensor! token_in, Tensor! pos, Tensor! ctx_tokens, Tensor! counter, "
-        "Tensor! host_ring, Tensor sampled, Tensor stops, Tensor! halt) -> ()");
+        "Tensor! host_ring, Tensor sampled, Tensor stops, Tensor! halt, "
+        "Tensor? params_i=None) -> ()");
   // INT4 g128 GEMV y = W x + bias (the fused q/k/v projection); every GEMV takes x [k] or
   // [cols <= 16, k] (the verify step's tokens; each column as a one-column call computes it)
   m.def("gemv_int4(Tensor! y, Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> ()");

@@ -94,7 +94,7 @@ cudaError_t launch_sample_advance(const StepArgs& a, cudaStream_t s) {
                       a.params_f, a.params_i, a.counter, s),
          "decode step, sample_token (V=%d)", a.vocab);
   NQ_TRY(advance_step(a.token_in, a.pos, a.ctx_tokens, a.ctx_capacity, a.counter, a.ring,
-                      a.ring_size, a.sampled, a.stops, a.halt, s),
+                      a.ring_size, a.sampled, a.stops, a.halt, a.params_i, s),
          "decode step, advance_step (ring of %d)", a.ring_size);
   return cudaSuccess;
 }

@@ -186,9 +186,16 @@ cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, i
 //   if sampled is one of stops[1..stops[0]] (device int32, stops[0] <= 8), *halt = 1 (pinned
 //   host memory: the gated decode graph and the host both read it); counter += 1.
 // stops and halt may both be null (no stop detection).
+// The n-gram watch (speculation's plain runs, engine/backends/base.py): w = params_i[3] (the
+// sampler's parameters; params_i null: no watch), n = w & 0xff (0: off). If the last n ids
+// (ctx_tokens[pos - n + 1 .. pos - 1] and sampled, at the new pos) occurred before, ending at
+// some q < pos, *halt = 1 too: prompt lookup has a draft there (NgramDrafter.will_draft with
+// min_n = n), and the queued graph steps do nothing. Bit 8 of w: not at draw 0 (counter == 0:
+// the turn's first id, which the host takes alone).
+constexpr int kAdvanceThreads = 256;   // the watch's scan of ctx_tokens; one thread otherwise
 cudaError_t advance_step(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens,
                          int ctx_capacity, int64_t* counter, int32_t* host_ring, int ring_size,
                          const int32_t* sampled, const int32_t* stops, int32_t* halt,
-                         cudaStream_t stream);
+                         const int64_t* params_i, cudaStream_t stream);
 
 }  // namespace nanoqwen

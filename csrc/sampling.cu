@@ -634,14 +634,29 @@ cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, i
                  cudaGetErrorString(e));
 }
 
-__global__ void advance_kernel(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens,
-                               int ctx_capacity, int64_t* counter, int32_t* host_ring,
-                               int ring_size, const int32_t* sampled, const int32_t* stops,
-                               int32_t* halt) {
+__global__ void __launch_bounds__(kAdvanceThreads)
+advance_kernel(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens, int ctx_capacity,
+               int64_t* counter, int32_t* host_ring, int ring_size, const int32_t* sampled,
+               const int32_t* stops, int32_t* halt, const int64_t* params_i) {
   griddep_wait();  // sampled comes from sample_token right before
   griddep_launch_dependents();
   const int32_t t = sampled[0];
   const int32_t p = pos[0] + 1;
+  // the n-gram watch (kernels.h): every thread scans a strided share of the earlier ends q
+  // for the last n ids, before thread 0 writes pos, counter and ctx_tokens[p] below
+  int hit = 0;
+  const int64_t w = (params_i != nullptr && halt != nullptr) ? params_i[3] : 0;
+  const int n = (int)(w & 0xff);
+  if (n > 0 && p < ctx_capacity && !(((w >> 8) & 1) && counter[0] == 0)) {
+    for (int q = n - 1 + (int)threadIdx.x; q < p && !hit; q += kAdvanceThreads) {
+      if (ctx_tokens[q] != t) continue;
+      int k = 1;
+      while (k < n && ctx_tokens[q - k] == ctx_tokens[p - k]) ++k;
+      hit = k == n;
+    }
+  }
+  hit = __syncthreads_or(hit);
+  if (threadIdx.x != 0) return;
   token_in[0] = t;
   pos[0] = p;
   if (p >= 0 && p < ctx_capacity) ctx_tokens[p] = t;
@@ -657,22 +672,24 @@ __global__ void advance_kernel(int32_t* token_in, int32_t* pos, int32_t* ctx_tok
   __threadfence_system();
   slot[1] = (int32_t)(uint32_t)(c + 1);
   if (stops != nullptr && halt != nullptr) {
-    const int n = min(stops[0], 8);
-    for (int i = 0; i < n; ++i)
+    const int n_stops = min(stops[0], 8);
+    for (int i = 0; i < n_stops; ++i)
       if (stops[1 + i] == t) *reinterpret_cast<volatile int32_t*>(halt) = 1;
   }
+  if (hit) *reinterpret_cast<volatile int32_t*>(halt) = 1;
   counter[0] = c + 1;
 }
 
 cudaError_t advance_step(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens,
                          int ctx_capacity, int64_t* counter, int32_t* host_ring, int ring_size,
                          const int32_t* sampled, const int32_t* stops, int32_t* halt,
-                         cudaStream_t stream) {
+                         const int64_t* params_i, cudaStream_t stream) {
   if (ring_size <= 0)
     return nq_fail(cudaErrorInvalidValue, "advance_step: ring_size=%d must be >= 1", ring_size);
-  const cudaError_t e = launch_pdl("advance_kernel", advance_kernel, dim3(1), dim3(1), 0, stream,
-                                   token_in, pos, ctx_tokens, ctx_capacity, counter, host_ring,
-                                   ring_size, sampled, stops, halt);
+  const cudaError_t e = launch_pdl("advance_kernel", advance_kernel, dim3(1),
+                                   dim3(kAdvanceThreads), 0, stream, token_in, pos, ctx_tokens,
+                                   ctx_capacity, counter, host_ring, ring_size, sampled, stops,
+                                   halt, params_i);
   if (e == cudaSuccess) return e;
   return nq_fail(e, "advance_step: ctx_capacity=%d ring_size=%d: %s", ctx_capacity, ring_size,
                  last_error_message());

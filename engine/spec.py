@@ -67,6 +67,9 @@ class NgramDrafter(_Drafter):
             raise ValueError(f"n-gram sizes {min_n}..{max_n}: need 1 <= min_n <= max_n")
         super().__init__(k_start, k_min, k_max)
         self.max_n, self.min_n = max_n, min_n
+        # will_draft() is "the last min_n ids occurred before": a plain run on the device can
+        # watch for that itself (Backend._plain_run's watch_n)
+        self.watch_n = min_n
         self.tokens: list[int] = []
         # _last[n]: n-gram key -> end position of its latest occurrence; _prev[n]: for the
         # n-gram ending at the last position, the end of its previous occurrence (-1: none, or
@@ -96,6 +99,11 @@ class NgramDrafter(_Drafter):
                 d = self._last[n]
                 self._prev[n] = d.get(key, -1)
                 d[key] = i
+
+    def will_draft(self) -> bool:
+        """Whether draft() would propose anything now (room permitting): some n-gram of
+        min_n..max_n tokens ending at the last position occurred before."""
+        return any(self._prev[n] >= 0 for n in range(self.min_n, self.max_n + 1))
 
     def draft(self, limit: int | None = None) -> list[int]:
         """Up to min(k, limit) tokens that followed the longest matching earlier n-gram, or []."""
@@ -127,12 +135,19 @@ class ModelDrafter(_Drafter):
                  k_start: int = K_START, k_min: int = K_MIN, k_max: int = K_MAX) -> None:
         super().__init__(k_start, k_min, k_max)
         self.backend = draft
+        self.watch_n = 0   # will_draft() is not an n-gram's repeat
         self.tokens: list[int] = [int(t) for t in tokens]
         # ids both models have rows for (the same tokenizer, embeddings padded differently)
         self._vocab = min(draft.config.vocab_size, target_vocab or draft.config.vocab_size)
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.tokens.extend(int(t) for t in tokens)
+
+    def will_draft(self) -> bool:
+        """Whether draft() would draft now (room permitting): the context and k ids fit the
+        draft model's cache. (An id past its vocabulary, which draft() also refuses, is not
+        looked for here: the caller then finds no draft and asks again after the next id.)"""
+        return bool(self.tokens) and len(self.tokens) + self.k - 1 <= self.backend.max_context
 
     def draft(self, limit: int | None = None) -> list[int]:
         from .sampling import SamplerParams

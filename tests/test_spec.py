@@ -141,6 +141,34 @@ def test_drafter_index_is_the_brute_force_rule():
         NgramDrafter([3, -1])
 
 
+@pytest.mark.parametrize("vocab,min_n,max_n", [(3, 2, 4), (5, 1, 3), (40, 2, 4)])
+def test_will_draft_says_whether_a_draft_comes(vocab, min_n, max_n):
+    """will_draft() (a plain run's check after every id) is exactly whether draft() proposes
+    anything, id by id over fresh random sequences, small vocabularies to match often."""
+    gen = torch.Generator().manual_seed(vocab * 10 + min_n)
+    ids = torch.randint(0, vocab, (300,), generator=gen).tolist()
+    d = NgramDrafter(min_n=min_n, max_n=max_n)
+    seen = set()
+    for t in ids:
+        d.extend([t])
+        seen.add(d.will_draft())
+        assert d.will_draft() == bool(d.draft()) == bool(d.draft(limit=1))
+    assert seen == {True, False}
+
+
+def test_a_draft_models_will_draft_follows_its_cache(engine):
+    """ModelDrafter.will_draft(): true while the context and k ids fit the draft model's cache
+    (draft() makes no draft otherwise)."""
+    from nanoqwen.engine.spec import ModelDrafter
+
+    be = engine.backend
+    d = ModelDrafter(be, [1] * (be.max_context - 2), k_start=3)   # + 3 - 1 ids: just fits
+    assert d.will_draft()
+    d.extend([1])
+    assert not d.will_draft() and d.draft() == []
+    assert not ModelDrafter(be, []).will_draft()
+
+
 def test_prompt_lookup_drafts_at_least_ngram_k_min_after_a_rejection():
     """Prompt lookup's drafts are free and the verify step's time hardly grows from 2 to 4
     tokens (spec.NGRAM_K_MIN's reason): after a rejection the next draft is not cut below

@@ -182,44 +182,112 @@ class Backend:
         """Run fn(*args) where this backend computes (the reference backend's compute thread)."""
         return fn(*args)
 
+    # A backend with its own run-ahead decode loop sets this and implements _plain_run: then
+    # speculation hands it the steps that have nothing to verify (engine/spec.py, below).
+    spec_runs_plain = False
+
+    def _plain_run(self, new_tokens: list[int], params, max_new_tokens: int,
+                   stop_ids: frozenset[int], cancel: threading.Event | None,
+                   until: Callable[[int], bool], seed: int, watch_n: int = 0,
+                   first_run: bool = False) -> Iterator[list[StepEvent]]:
+        """Plain decoding for speculation: prefill `new_tokens`, then sample and decode as
+        generate_chunks does (stop ids, max_new_tokens, a full cache, cancel end it), calling
+        until(id) with every sampled id in order; once it returns True the run stops at once,
+        keeping the ids of the steps already under way (every one of them is a valid sample,
+        so none is thrown away). Yields non-empty lists as they land, with the cache exact
+        at each (kv_tokens = every id but the last); `seed` is the run's sampler seed.
+        watch_n > 0: until() returns True exactly where the last watch_n ids of the whole
+        context occurred before (NgramDrafter.will_draft), except at the run's first id when
+        `first_run`; a backend may find that point itself, where the ids are made, so that
+        no step runs past it."""
+        raise NotImplementedError(f"the {self.name} backend has no plain run for speculation")
+
     def _spec_chunks(self, new_tokens: list[int], sampler, max_new_tokens: int,
                      stop_ids: frozenset[int], cancel: threading.Event | None, window_s: float
                      ) -> Iterator[list[StepEvent]]:
-        """generate_chunks with speculation (engine/spec.py): after the first token, each step
-        drafts up to k ids, forwards the last token and the drafts in one multi-token forward
-        (forward_all) and keeps what Sampler.verify accepts plus one token of the sampler's
-        own; the rejected drafts' K/V are truncated away before anything is yielded. A step's
-        tokens are never split across lists, so at every suspension kv_tokens == the cached
-        prefix + the new tokens + every yielded token but the last, as without speculation;
-        each token's step_ms is its step's time shared equally (the effective rate). The
-        turn ends as generate()'s does (stop id, max_new_tokens, cancel -- checked per step
-        --, full cache); drafts are capped so that neither limit can be overrun."""
+        """generate_chunks with speculation (engine/spec.py): each step drafts up to k ids,
+        forwards the last token and the drafts in one multi-token forward (forward_all) and
+        keeps what Sampler.verify accepts plus one token of the sampler's own; the rejected
+        drafts' K/V are truncated away before anything is yielded. A step's tokens are never
+        split across lists, so at every suspension kv_tokens == the cached prefix + the new
+        tokens + every yielded token but the last, as without speculation; each token's
+        step_ms is its step's time shared equally (the effective rate). The turn ends as
+        generate()'s does (stop id, max_new_tokens, cancel -- checked per step --, full cache);
+        drafts are capped so that neither limit can be overrun.
+
+        When the drafter has nothing (and for the first token), a backend with
+        `spec_runs_plain` decodes plainly, running ahead of the host as without speculation,
+        until the drafter has a draft (_plain_run; each run's sampler seed its own, from the
+        turn's), instead of one synchronous one-token forward per token; its tokens are the
+        plain loop's own. Otherwise the first token comes from forward(new tokens) and a step
+        without drafts forwards the last token alone."""
         from ..spec import ModelDrafter, NgramDrafter
 
         stats = self.spec_stats = dict(drafted=0, accepted=0, verify_steps=0)
         if cancel is not None and cancel.is_set():
             return
-
-        def first() -> tuple[int, float]:
-            t0 = time.perf_counter()
-            logits = self.forward(new_tokens)
-            return sampler.sample(logits, self.kv_tokens), (time.perf_counter() - t0) * 1e3
-
-        token, ms = self._compute(first)
-        last_yield = time.perf_counter()
-        yield [StepEvent(token, ms, True)]   # TTFT never waits for a window
-        context = self.kv_tokens + [token]
+        context = self.kv_tokens + new_tokens
         drafter = (ModelDrafter(self.draft_backend, context, self.config.vocab_size)
                    if self._spec == "draft" else NgramDrafter(context))
-        n_out, last = 1, token
+        params, seed = sampler.params, sampler.seed   # (the resolved seed: -1 drew one)
+        n_runs = 0
+
+        watch_n = getattr(drafter, "watch_n", 0)   # where until() is an n-gram's repeat
+
+        def until(token: int) -> bool:   # a plain run's sampled id: does a draft start here?
+            drafter.extend((token,))
+            # not at the turn's first id: that one is yielded alone, the moment it lands, and
+            # the ids of the steps already under way when a run stops come with the stop's
+            return len(drafter.tokens) > len(context) + 1 and drafter.will_draft()
+
+        n_out, last = 0, -1
         pending: list[StepEvent] = []
-        while not (last in stop_ids or n_out >= max_new_tokens
-                   or len(self.kv_tokens) >= self.max_context
+        last_yield = time.perf_counter()
+        while not (n_out and (last in stop_ids or n_out >= max_new_tokens
+                              or len(self.kv_tokens) >= self.max_context)
                    or (cancel is not None and cancel.is_set())):
             # room for the drafts after `last`, and at most one token past them to emit
             limit = min(self.max_context - len(self.kv_tokens) - 1, max_new_tokens - n_out - 1)
             t0 = time.perf_counter()
-            drafts = drafter.draft(limit) if limit > 0 else []
+            drafts = drafter.draft(limit) if n_out and limit > 0 else []
+            if not drafts and self.spec_runs_plain:
+                # seeds 2^64 / golden ratio apart: each run's draws are its own
+                run_seed = (seed + n_runs * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+                n_runs += 1
+                got = 0
+                run = self._plain_run(new_tokens if not n_out else [last], params,
+                                      max_new_tokens - n_out, stop_ids, cancel, until, run_seed,
+                                      watch_n, not n_out)
+                try:   # closed here when this generator is (the run's cache stays exact)
+                    for chunk in run:
+                        if not got:   # the run's first id: its wall time from the request on
+                            chunk[0] = StepEvent(chunk[0].token_id,
+                                                 (time.perf_counter() - t0) * 1e3, not n_out)
+                        got += len(chunk)
+                        n_out += len(chunk)
+                        last = chunk[-1].token_id
+                        # the cache holds every id taken but the last: all of them are yielded
+                        # at each suspension; the first token (a list of its own: the run takes
+                        # it alone and never stops there) never waits for a window
+                        pending.extend(chunk)
+                        now = time.perf_counter()
+                        if chunk[0].first or now - last_yield >= window_s:
+                            last_yield = now
+                            yield pending
+                            pending = []
+                finally:
+                    run.close()
+                if not got:
+                    break   # cancelled, or another call took the cache over
+                continue
+            if not n_out:
+                token = self._compute(lambda: sampler.sample(self.forward(new_tokens),
+                                                             self.kv_tokens))
+                drafter.extend((token,))
+                n_out, last = 1, token
+                yield [StepEvent(token, (time.perf_counter() - t0) * 1e3, True)]
+                last_yield = time.perf_counter()
+                continue
             draft_ms = (time.perf_counter() - t0) * 1e3   # a draft model's steps count too
             emitted, ms, accepted = self._compute(self._verify_step, last, drafts, sampler,
                                                   stop_ids)

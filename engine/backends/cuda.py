@@ -47,6 +47,11 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 # (csrc/engine.h kRingSize = 256) bounds it. Graph steps after a stop are gated off, so a deep
 # queue costs nothing; eager steps after a stop still run, so eager queues less.
 RUN_AHEAD = {"graph": 128, "eager": 48}
+# the same for speculation's plain runs (base.py _spec_chunks), which stop as soon as the drafter
+# matches: the device halts the run there itself (advance_step's n-gram watch), so a graph step
+# queued past it costs only its gate, but the host's stop waits for each; an eager step already
+# launched runs. So they queue just enough to keep the GPU busy while the host takes each id.
+SPEC_RUN_AHEAD = {"graph": 3, "eager": 2}
 MAX_STOP_IDS = 8       # csrc/engine.h kMaxStops
 COLLECT_TIMEOUT_MS = 100.0  # longest wait inside the core before Python re-checks cancel
 PREFILL_CHUNK = 2048   # prompt tokens per prefill chunk (bounds activation memory)
@@ -505,18 +510,53 @@ class CudaBackend(Backend):
         return self._chunks_gpu(new_tokens, params, max_new_tokens, frozenset(stop_ids), cancel,
                                 window_s, None)
 
+    spec_runs_plain = True
+
+    def _plain_run(self, new_tokens: list[int], params, max_new_tokens: int,
+                   stop_ids: frozenset[int], cancel: threading.Event | None,
+                   until: Callable[[int], bool], seed: int, watch_n: int = 0,
+                   first_run: bool = False) -> Iterator[list[StepEvent]]:
+        """Backend._plain_run: a turn of the engine's own loop (start_turn, the GPU sampling
+        and running ahead), each id taken as it lands, stopped when until() says so. With
+        watch_n the step that samples that id also halts the turn on the device (the n-gram
+        watch of advance_step, csrc/kernels.h: a scan of ctx_tokens), so the graph steps
+        queued after it do nothing: no step runs past the drafter's match, however far
+        ahead of the host the GPU is."""
+        if not 0 <= watch_n <= 255:
+            raise ValueError(f"watch_n={watch_n}: the device watches 0..255 ids")
+        # With sampling and a fixed seed the reply must not depend on timing. Where the host
+        # alone stops a run (no watch; eager steps launched before the device's halt) how many
+        # steps are under way by then does, so the run then keeps only the ids up to the stop
+        # (its drafts begin there; the steps past it are truncated away). Greedy ids are the
+        # same wherever a run stops, so it keeps them all.
+        exact = not params.greedy and params.seed >= 0
+        watch = watch_n | (256 if first_run and watch_n else 0)   # bit 8: not at draw 0
+        return self._chunks_gpu(new_tokens, params, max_new_tokens, stop_ids, cancel, 0.0, None,
+                                until, SPEC_RUN_AHEAD[self._mode], seed, exact, watch)
+
     @staticmethod
-    def _sampler_values(params) -> tuple[int, list[float], list[int]]:
-        """(the resolved seed, params_f, params_i) for start_turn."""
+    def _sampler_values(params, seed: int | None = None, watch: int = 0
+                        ) -> tuple[int, list[float], list[int]]:
+        """(the resolved seed, params_f, params_i) for start_turn; `seed` overrides params';
+        `watch` is params_i[3], advance_step's n-gram watch (0: off)."""
         from ..ops import sampler_values
 
-        seed = params.seed if params.seed >= 0 else int.from_bytes(os.urandom(8), "little")
+        if seed is None:
+            seed = params.seed if params.seed >= 0 else int.from_bytes(os.urandom(8), "little")
         pf, pi = sampler_values(params, seed)
+        pi[3] = watch
         return seed, [float(v) for v in pf], [int(v) for v in pi]   # List[float], List[int]
 
     def _chunks_gpu(self, new_tokens: list[int], params, max_new_tokens: int,
                     stop_ids: frozenset[int], cancel: threading.Event | None, window_s: float,
-                    max_chunk: int | None) -> Iterator[list[StepEvent]]:
+                    max_chunk: int | None, until: Callable[[int], bool] | None = None,
+                    run_ahead: int | None = None, seed: int | None = None,
+                    exact_stop: bool = False, watch: int = 0) -> Iterator[list[StepEvent]]:
+        """The turn's ids as they land (generate / generate_chunks). With `until` (Backend.
+        _plain_run), until(id) is called with every id in order; once it returns True the
+        launcher stops, the steps already queued finish (graph steps are gated off), their
+        ids are taken too (with `exact_stop`, not: the turn ends at that id) and the
+        generator ends."""
         if cancel is not None and cancel.is_set():
             return
         if len(stop_ids) > MAX_STOP_IDS:
@@ -537,11 +577,12 @@ class CudaBackend(Backend):
             # turn's launcher has stopped and its steps are done.
             self.cache.rollback(n0)
             pt = self._reserve_host(n0 + t + steps_max)
-            seed, pf, pi = self._sampler_values(params)
+            seed, pf, pi = self._sampler_values(params, seed, watch)
             ids = torch.tensor(new_tokens, dtype=torch.int32)
             try:   # (the engine's own device and stream)
                 t0_ns = self.core.start_turn(sorted(stop_ids), pf, pi, pt, ids, n0, steps_max,
-                                             graph, RUN_AHEAD["graph" if graph else "eager"])
+                                             graph, run_ahead or RUN_AHEAD["graph" if graph
+                                                                           else "eager"])
             except BaseException:
                 if pt:   # which entries the device holds is not known now
                     self._pt_host = [-1] * len(self._pt_host)
@@ -550,7 +591,30 @@ class CudaBackend(Backend):
             self.seed = seed
             if pt:
                 self._pt_host[:len(pt)] = pt
-        idx, prev_ns = 0, 0
+        idx, prev_ns, stopped = 0, 0, False
+
+        def take(ids: list[int], ts: list[int], chunk: list[StepEvent]) -> bool:
+            """ids into chunk and the cache bookkeeping; True when the turn is over."""
+            nonlocal idx, prev_ns, stopped
+            for tok, t_ns in zip(ids, ts):
+                if idx == 0:
+                    step_ms = (t_ns - t0_ns) / 1e6  # prefill + first sample
+                    self.kv_tokens.extend(new_tokens)
+                else:
+                    step_ms = (t_ns - prev_ns) / 1e6
+                    self.kv_tokens.append(self._last)  # step idx forwarded token idx-1
+                prev_ns, self._last = t_ns, tok
+                chunk.append(StepEvent(tok, step_ms, idx == 0))
+                idx += 1
+                if until is not None and until(tok):
+                    stopped = True
+                    if exact_stop:
+                        return True
+                if (tok in stop_ids or idx == max_new_tokens
+                        or len(self.kv_tokens) >= self.max_context):
+                    return True
+            return False
+
         try:
             while idx < total:
                 if self._gen_id != my_id:
@@ -564,21 +628,18 @@ class CudaBackend(Backend):
                     if status == 1 or (cancel is not None and cancel.is_set()):
                         return  # halted (a cancel): nothing more will land
                     continue
-                chunk, done = [], False
-                for tok, t_ns in zip(ids, ts):
-                    if idx == 0:
-                        step_ms = (t_ns - t0_ns) / 1e6  # prefill + first sample
-                        self.kv_tokens.extend(new_tokens)
-                    else:
-                        step_ms = (t_ns - prev_ns) / 1e6
-                        self.kv_tokens.append(self._last)  # step idx forwarded token idx-1
-                    prev_ns, self._last = t_ns, tok
-                    chunk.append(StepEvent(tok, step_ms, idx == 0))
-                    idx += 1
-                    if (tok in stop_ids or idx == max_new_tokens
-                            or len(self.kv_tokens) >= self.max_context):
-                        done = True
-                        break
+                chunk: list[StepEvent] = []
+                done = take(ids, ts, chunk)
+                if stopped and not done:
+                    # until() said stop: no further launch, the queued steps finish; each of
+                    # them forwarded its id and sampled the next, so their ids are kept too
+                    self.core.finish()
+                    if idx < total:
+                        ids, ts, status = self.core.collect(idx, total - idx, 0.0, 0.0)
+                        if status == 2:
+                            raise NanoqwenError(f"the CUDA engine failed: {self.core.error()}")
+                        take(ids, ts, chunk)
+                    done = True
                 self.cache.length = len(self.kv_tokens)
                 yield chunk
                 if done or (cancel is not None and cancel.is_set()):

@@ -246,6 +246,14 @@ def test_advance_step():
     t1 = (int(slot[2]) & 0xFFFFFFFF) | (int(slot[3]) << 32)
     assert int(slot[0]) == 778 and int(slot[1]) == 11 and int(halt) == 1 and t1 >= t0
 
+    # the n-gram watch is off without params_i and with params_i[3] == 0
+    pi = torch.zeros(4, dtype=torch.int64, device="cuda")
+    halt.zero_()
+    sampled.fill_(777)
+    ops().advance_step(token_in, pos, ctx, counter, ring, sampled, stops, halt, pi)
+    torch.cuda.synchronize()
+    assert int(halt) == 0 and int(ctx[44]) == 777      # 777 at 42 before it: no watch, no halt
+
     with pytest.raises(RuntimeError, match="host_ring must be a pinned CPU tensor"):
         z = torch.zeros(1, dtype=torch.int32, device="cuda")
         ops().advance_step(z, z.clone(), torch.zeros(8, dtype=torch.int32, device="cuda"),
@@ -253,3 +261,57 @@ def test_advance_step():
                            torch.zeros(4, 4, dtype=torch.int32), z.clone(),
                            torch.zeros(9, dtype=torch.int32, device="cuda"),
                            torch.zeros(1, dtype=torch.int32).pin_memory())
+
+
+@pytest.mark.parametrize("n,vocab,length", [(1, 400, 300), (2, 12, 300), (3, 5, 300),
+                                            (2, 50000, 5000)])
+def test_advance_step_watches_for_a_repeated_ngram(n, vocab, length):
+    """advance_step's n-gram watch (params_i[3] = n; speculation's plain runs): it sets halt
+    exactly where prompt lookup would draft -- NgramDrafter(min_n=n).will_draft() over the ids so
+    far -- at every position of fresh random sequences (small vocabularies repeat often; a
+    5000-id context with a 50000-id vocabulary has its rare matches anywhere in the strided
+    scan). Bit 8 skips draw 0 (counter == 0)."""
+    from nanoqwen.engine.spec import NgramDrafter
+
+    gen = torch.Generator().manual_seed(n * 1000 + vocab)
+    seq = torch.randint(0, vocab, (length,), generator=gen)
+    if vocab > 1000:   # a few far repeats: the last n ids of position p copied from far back
+        for p, q in [(4000, 10), (4500, 3000), (4999, 1)]:
+            seq[p - n + 1:p + 1] = seq[q - n + 1:q + 1]
+    ctx = torch.full((length + 8,), -1, dtype=torch.int32, device="cuda")
+    ctx[:length] = seq.to(torch.int32).cuda()
+    token_in = torch.zeros(1, dtype=torch.int32, device="cuda")
+    pos = torch.zeros(1, dtype=torch.int32, device="cuda")
+    counter = torch.zeros(1, dtype=torch.int64, device="cuda")
+    sampled = torch.zeros(1, dtype=torch.int32, device="cuda")
+    ring = torch.zeros((8, 4), dtype=torch.int32).pin_memory()
+    halt = torch.zeros(1, dtype=torch.int32).pin_memory()
+    stops = torch.zeros(9, dtype=torch.int32, device="cuda")
+    pi = torch.tensor([0, 0, 0, n], dtype=torch.int64, device="cuda")
+    d = NgramDrafter(seq[:1].tolist(), min_n=n, max_n=n)
+    positions = range(1, length) if length <= 300 else [*range(1, 40), 4000, 4001, 4500, 4999]
+    want, got = [], []
+    for p in positions:
+        if p > len(d.tokens):
+            d = NgramDrafter(seq[:p].tolist(), min_n=n, max_n=n)
+        d.extend([int(seq[p])])
+        pos.fill_(p - 1)
+        counter.fill_(5)
+        sampled.fill_(int(seq[p]))
+        halt.zero_()
+        ops().advance_step(token_in, pos, ctx, counter, ring, sampled, stops, halt, pi)
+        torch.cuda.synchronize()
+        want.append(d.will_draft())
+        got.append(bool(int(halt)))
+    assert got == want and True in want and False in want
+    # bit 8: never at draw 0, as usual after it
+    p = next(p for p, w in zip(positions, want) if w)
+    for c, halts in [(0, False), (1, True)]:
+        pos.fill_(p - 1)
+        counter.fill_(c)
+        sampled.fill_(int(seq[p]))
+        halt.zero_()
+        ops().advance_step(token_in, pos, ctx, counter, ring, sampled, stops, halt,
+                           torch.tensor([0, 0, 0, n | 256], dtype=torch.int64, device="cuda"))
+        torch.cuda.synchronize()
+        assert bool(int(halt)) is halts

@@ -204,6 +204,28 @@ def test_verify_refuses_what_it_cannot_run(tiny):
     assert small.kv_tokens == list(range(15))
 
 
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_verify_writes_its_ids_into_the_sampler_history(tiny, mode):
+    """The verify step writes its ids into ctx_tokens at their positions, as the prefill and
+    every decode step's advance write theirs: the sampler's repetition penalty reads its window
+    there, so a sampled step after speculation must find them (not what was there before)."""
+    be = tiny
+    be.mode = mode
+    gen = torch.Generator().manual_seed(41)
+    ids = torch.randint(0, be.config.vocab_size, (37,), generator=gen).tolist()
+    be.truncate(0)
+    be.forward(ids[:20])
+    torch.cuda.synchronize()
+    with torch.inference_mode():   # (the engine's buffers are inference tensors)
+        be.ctx_tokens[20:].fill_(be.config.vocab_size - 1)   # stale ids from an earlier turn
+    torch.cuda.synchronize()
+    be.forward_all(ids[20:33])
+    be.forward_all(ids[33:])
+    torch.cuda.synchronize()
+    assert be.ctx_tokens[:37].tolist() == ids
+    be.mode = "graph"
+
+
 # --- speculation on the CUDA engine (the bundled model: real acceptance) ---------------------------
 @pytest.fixture(scope="module")
 def bundled():
@@ -292,3 +314,98 @@ def test_a_cuda_draft_model_drafts_exactly():
                 assert st["verify_steps"] > 0 and st["accepted"] >= 0.9 * st["drafted"], st
     finally:
         svc.close()
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_the_sampler_history_after_speculation_is_the_reply(bundled, mode):
+    """After a speculative turn (plain runs on the device and verify steps) the device's
+    sampler history (ctx_tokens) is kv_tokens, whatever it held before; so a turn sampled with
+    a repetition penalty after it samples exactly as after the same reply decoded plainly."""
+    from test_spec import PROMPTS, prompt_ids, run
+
+    be = bundled.backend
+    be.mode = mode
+    ids = prompt_ids(bundled, PROMPTS[1])
+    params = SamplerParams(temperature=0.7, seed=11, repeat_penalty=1.3, repeat_last_n=64)
+
+    def turns(spec):
+        torch.cuda.synchronize()
+        with torch.inference_mode():   # (the engine's buffers are inference tensors)
+            be.ctx_tokens.fill_(0)   # what an earlier conversation left
+        torch.cuda.synchronize()
+        reply = run(be, ids, GREEDY, 80, spec)
+        n = len(be.kv_tokens)
+        assert be.kv_tokens == ids + reply[:-1]
+        assert be.ctx_tokens[:n].tolist() == be.kv_tokens
+        if spec:
+            assert be.spec_stats["verify_steps"] > 0 and be.spec_stats["accepted"] > 0
+        follow = [e.token_id for c in be.generate_chunks([reply[-1]] + ids[-6:], params, 40)
+                  for e in c]
+        return reply, follow
+
+    try:
+        assert turns("ngram") == turns(None)
+    finally:
+        be.mode = "graph"
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_sampled_speculation_with_a_fixed_seed_is_reproducible(bundled, mode):
+    """With sampling and a fixed seed a speculative reply does not depend on timing (how many
+    steps a plain run had under way when the drafter matched): two runs give the same ids, and
+    the cache invariant holds at every suspension."""
+    from test_spec import PROMPTS, invariant, prompt_ids, run
+
+    be = bundled.backend
+    be.mode = mode
+    ids = prompt_ids(bundled, PROMPTS[0])
+    params = SamplerParams(temperature=0.9, seed=1234)
+    try:
+        outs = [run(be, ids, params, 120, "ngram", bundled.tokenizer.stop_ids,
+                    check=invariant(be, ids)) for _ in range(3)]
+        assert outs[0] == outs[1] == outs[2] and len(outs[0]) > 20
+        assert be.spec_stats["verify_steps"] > 0
+    finally:
+        be.mode = "graph"
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_a_plain_run_halts_on_the_device_where_the_drafter_matches(bundled, mode):
+    """A plain run with the n-gram watch (CudaBackend._plain_run, watch_n = 2) and a host side
+    that never stops it: the device itself ends the run at the first id after which prompt
+    lookup drafts (NgramDrafter.will_draft over the whole context), never at the turn's first
+    id. Graph steps queued past it are gated off, so the run is exactly the plain reply up to
+    there; eager steps already launched still run (about the run-ahead), and their ids are
+    the plain reply's too. The cache is exact."""
+    from test_spec import PROMPTS, prompt_ids, run
+
+    from nanoqwen.engine.backends.cuda import SPEC_RUN_AHEAD
+    from nanoqwen.engine.spec import NgramDrafter
+
+    be = bundled.backend
+    be.mode = mode
+    try:
+        for text in PROMPTS[:2]:
+            ids = prompt_ids(bundled, text)
+            plain = run(be, ids, GREEDY, 200, None)
+            d = NgramDrafter(ids, min_n=2)
+            j = None
+            for i, t in enumerate(plain):
+                d.extend([t])
+                if i and d.will_draft():
+                    j = i
+                    break
+            assert j is not None and j + 1 < len(plain)
+            be.truncate(0)
+            got = [e.token_id for c in be._plain_run(list(ids), GREEDY, 200, frozenset(), None,
+                                                      lambda t: False, 0, 2, True) for e in c]
+            if mode == "graph":
+                assert got == plain[:j + 1]
+            else:
+                # launched before the launcher saw the halt: steps up to the host's last
+                # taken id (<= j) + 1 + the run-ahead
+                assert got == plain[:len(got)] and j + 1 <= len(got) <= j + 2 + SPEC_RUN_AHEAD[
+                    "eager"]
+            assert be.kv_tokens == ids + got[:-1] and be.cache.length == len(be.kv_tokens)
+    finally:
+        be.mode = "graph"
