@@ -87,6 +87,28 @@ def plain_replies(n_gen: int) -> list[dict]:
     return out
 
 
+def verify_step(drafter, drafts: list[int], reply: list[int], n_out: int, stop: set[int],
+                steps: list) -> list[int]:
+    """A step of `drafts` (maybe none) after the reply's first n_out ids, greedy: the ids it
+    emits (the kept prefix, then the reply's own next id or the stop id), (drafts, kept) onto
+    `steps`, the drafter updated after a draft and extended."""
+    emitted, kept = [], 0
+    for i, d in enumerate(drafts):
+        t = reply[n_out + i]
+        emitted.append(t)
+        if t == d:
+            kept += 1
+        if t != d or t in stop:
+            break
+    else:
+        emitted.append(reply[n_out + len(drafts)])
+    if drafts:
+        drafter.update(len(drafts), kept)
+    drafter.extend(emitted)
+    steps.append((len(drafts), kept))
+    return emitted
+
+
 def replay(make_drafter, req: dict, n_gen: int) -> list[tuple[int, int]]:
     """Backend._spec_chunks' loop over a known greedy reply: per step (drafts, accepted)."""
     reply, stop = req["reply"], set(req["stop_ids"])
@@ -95,20 +117,7 @@ def replay(make_drafter, req: dict, n_gen: int) -> list[tuple[int, int]]:
     while not (last in stop or n_out >= n_gen or n_out >= len(reply)):
         limit = n_gen - n_out - 1
         drafts = drafter.draft(limit) if limit > 0 else []
-        emitted, kept = [], 0
-        for i, d in enumerate(drafts):
-            t = reply[n_out + i]
-            emitted.append(t)
-            if t == d:
-                kept += 1
-            if t != d or t in stop:
-                break
-        else:
-            emitted.append(reply[n_out + len(drafts)])
-        if drafts:
-            drafter.update(len(drafts), kept)
-        drafter.extend(emitted)
-        steps.append((len(drafts), kept))
+        emitted = verify_step(drafter, drafts, reply, n_out, stop, steps)
         n_out += len(emitted)
         last = emitted[-1]
     assert n_out == len(reply), (n_out, len(reply))
@@ -158,19 +167,7 @@ def replay_runs(make_drafter, req: dict, n_gen: int, overshoot: int, patience: i
                 if stop_at is not None and n_out >= stop_at:
                     break
             continue
-        emitted, kept = [], 0
-        for i, d in enumerate(drafts):
-            t = reply[n_out + i]
-            emitted.append(t)
-            if t == d:
-                kept += 1
-            if t != d or t in stop:
-                break
-        else:
-            emitted.append(reply[n_out + len(drafts)])
-        drafter.update(len(drafts), kept)
-        drafter.extend(emitted)
-        steps.append((len(drafts), kept))
+        emitted = verify_step(drafter, drafts, reply, n_out, stop, steps)
         n_out += len(emitted)
         last = emitted[-1]
     assert n_out == len(reply), (n_out, len(reply))
@@ -372,8 +369,11 @@ def main(argv=None) -> int:
     base = rows[1]
     ok = (base["edit"]["drafted"], base["edit"]["accepted"], base["new"]["drafted"],
           base["new"]["accepted"]) == (884, 540, 286, 210)
-    print("replay of the k_min 1 drafter matches bench --spec ngram's counts at 484a693 (884/540, "
-          "286/210):", ok)
+    if a.runs_plain is None:
+        print("replay of the k_min 1 drafter matches bench --spec ngram's counts at 484a693 "
+              "(884/540, 286/210):", ok)
+    else:   # a loop that was not the product's at 484a693: nothing to check against
+        ok = None
     if a.json:
         Path(a.json).write_text(json.dumps(dict(
             what="drafting policies replayed on the bundled model's plain greedy replies "
@@ -385,7 +385,7 @@ def main(argv=None) -> int:
             tk=[dict(k=r["k"], ms=r["ms"]) for r in tk["rows"]],
             plain_decode_ms=t_plain, replay_matches_bench=ok, rows=rows,
             date=time.strftime("%Y-%m-%d"), commit=commit()), indent=1))
-    return 0 if ok else 1
+    return 0 if ok is not False else 1
 
 
 if __name__ == "__main__":
