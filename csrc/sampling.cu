@@ -648,11 +648,23 @@ advance_kernel(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens, int ctx_cap
   const int64_t w = (params_i != nullptr && halt != nullptr) ? params_i[3] : 0;
   const int n = (int)(w & 0xff);
   if (n > 0 && p < ctx_capacity && !(((w >> 8) & 1) && counter[0] == 0)) {
-    for (int q = n - 1 + (int)threadIdx.x; q < p && !hit; q += kAdvanceThreads) {
-      if (ctx_tokens[q] != t) continue;
-      int k = 1;
-      while (k < n && ctx_tokens[q - k] == ctx_tokens[p - k]) ++k;
-      hit = k == n;
+    // four loads in flight per thread (a 32k context is 32 rounds, not 128 dependent ones)
+    constexpr int kIn = 4;
+    for (int q0 = n - 1 + (int)threadIdx.x; q0 < p && !hit; q0 += kIn * kAdvanceThreads) {
+      int32_t v[kIn];
+#pragma unroll
+      for (int j = 0; j < kIn; ++j) {
+        const int q = q0 + j * kAdvanceThreads;
+        v[j] = q < p ? ctx_tokens[q] : -1;   // ids are >= 0
+      }
+#pragma unroll
+      for (int j = 0; j < kIn; ++j) {
+        const int q = q0 + j * kAdvanceThreads;
+        if (v[j] != t) continue;
+        int k = 1;
+        while (k < n && ctx_tokens[q - k] == ctx_tokens[p - k]) ++k;
+        hit |= k == n;
+      }
     }
   }
   hit = __syncthreads_or(hit);
