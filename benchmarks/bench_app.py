@@ -222,7 +222,8 @@ def engine_turn(session, text: str, params, n: int) -> dict:
                     else None),
         n_prompt=stats.n_prompt if stats else None,
         n_prefilled=getattr(stats, "n_prefilled", None), n_reused=getattr(stats, "n_reused", None),
-        mode=stats.mode if stats else None, other_load=load.cores())
+        mode=stats.mode if stats else None, other_load=load.cores(),
+        n_drafted=getattr(stats, "n_drafted", None), n_accepted=getattr(stats, "n_accepted", None))
 
 
 # --- the app ------------------------------------------------------------------------------------
@@ -309,7 +310,7 @@ async def run(args) -> dict:
     # model_sampler off: the settings below stand, not the model file's generation defaults
     sampler = (dict(greedy=False, seed=args.seed) if args.sampled else dict(greedy=True))
     save_settings(Settings(model_sampler=False, max_new_tokens=args.tokens,
-                           decode_mode=args.mode or "graph", **sampler))
+                           decode_mode=args.mode or "graph", speculation=args.spec, **sampler))
     clock = ScreenClock()
     app = NanoqwenApp(model=model, backend=args.backend, mode=args.mode, threads=args.threads)
     clock.watch(app)
@@ -324,9 +325,11 @@ async def run(args) -> dict:
             separate = loader.load(model, backend=args.backend, mode=args.mode or "graph")
             backend, tokenizer = separate.backend, separate.tokenizer
         params = app.settings.sampler_params()
+        if separate is not None:   # the app set its own backend's; this one gets the same
+            separate.backend.spec = None if args.spec == "off" else args.spec
         meta = dict(backend=backend.name, device=backend.device_name, model=backend.config.name,
                     mode=backend.mode, engine_shared_with_app=separate is None,
-                    sampler=params.to_dict())
+                    sampler=params.to_dict(), spec=backend.spec)
         from nanoqwen.engine.session import ChatSession
 
         rep = attempts = 0
@@ -432,6 +435,7 @@ def print_summary(meta: dict, summary: dict, args) -> None:
           f"{args.tokens} new tokens · medians of {args.reps} reps · "
           + ("greedy" if meta["sampler"]["temperature"] == 0 else
              "sampled: " + ", ".join(f"{k} {v}" for k, v in meta["sampler"].items()))
+          + (f" · speculation {meta['spec']}" if meta.get("spec") else "")
           + ("" if meta.get("engine_shared_with_app") else " · engine loaded separately"))
     print(f"{'case':10s} {'engine tok/s':>12s} {'screen tok/s':>12s} {'ratio':>6s}   "
           f"{'engine TTFT':>11s} {'Enter->text':>11s} {'ratio':>6s}   "
@@ -462,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sampled", action="store_true",
                     help="the app's default sampler (fixed --seed) instead of greedy decoding")
     ap.add_argument("--seed", type=int, default=1234, help="the sampler's seed with --sampled")
+    ap.add_argument("--spec", choices=["off", "ngram"], default="off",
+                    help="the app's speculative decoding setting, on both sides (the second "
+                         "turn asks to rewrite the first reply: prompt lookup's case)")
     ap.add_argument("--reps", type=int, default=5, help="measured repetitions (medians)")
     ap.add_argument("--warmup", type=int, default=1, help="repetitions left out of the medians")
     ap.add_argument("--width", type=int, default=120)
@@ -503,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             device=device, commit=_commit(), model=meta["model"],
             model_file=str(Path(args.model).resolve()) if args.model else "bundled",
             backend=meta["backend"], mode=meta["mode"], sampler=meta["sampler"],
+            spec=meta.get("spec"),
             tokens=args.tokens, reps=args.reps,
             warmup=args.warmup, engine_shared_with_app=meta["engine_shared_with_app"],
             torch_threads=_cpu_threads(), python=platform.python_version(),
