@@ -4,7 +4,8 @@
 # (1) build this tree and run all of tests/gpu on it; (2) nanoqwen bench --spec ngram on the
 # bundled model: this tree (B), then the previous loop (out/runahead.patch reversed: A), on one
 # machine; (3) the 7B preset's plain decode with the new advance kernel (256 threads, watch
-# off). Carry .whl and out.
+# off). Carry .whl and out. out/runahead.patch (git-ignored) was
+#   git diff a556d7c 46b39d8 -- engine/backends/base.py engine/backends/cuda.py engine/spec.py
 source benchmarks/device_prelude.sh
 {
 source benchmarks/device_setup.sh
