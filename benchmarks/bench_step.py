@@ -3,7 +3,8 @@ launches on the backend's own buffers, median of 7 replays), times its count per
 against the whole captured step. With --alt, also the alternatives that left csrc/ (the
 fused-norm GEMVs, the unfused rope_kv_write + paged_attention pair), from the lab library
 (benchmarks/lab/lab.py; builds it first, ~25 s), on the same buffers.
-NANOQWEN_PDL=0 in the environment launches without programmatic dependent launch (A/B).
+NANOQWEN_PDL=0 in the environment launches without programmatic dependent launch (A/B);
+NANOQWEN_NORM_FOLD=0 times the step with its norms as rmsnorm launches (the A/B of the fold).
 
     python benchmarks/bench_step.py [--preset 7b] [--context 512] [--alt]
                                     [--sampler-only] [--json FILE]
@@ -62,28 +63,54 @@ def main() -> None:
     ring = torch.zeros(256, 4, dtype=torch.int32).pin_memory()   # advance_step's own ring
     halt = torch.zeros(1, dtype=torch.int32).pin_memory()
     no_stops = torch.zeros(9, dtype=torch.int32, device=be.device)
-    rows = [  # the step's launches (default: norms as their own launches), count per token
-        ("embed_gather", 1, lambda i: o.embed_gather(be.hidden, be.embed, be.token_in)),
-        ("rmsnorm", 2 * nl + 1, lambda i: o.rmsnorm(xn, be.hidden, layers[i % nl].ln1, eps)),
-        ("gemv_int4 qkv", nl, lambda i: o.gemv_int4(
-            be.qkv, xn, layers[i % nl].qkv_qw, layers[i % nl].qkv_sc, layers[i % nl].qkv_b)),
-        ("attention_decode", nl, lambda i: o.attention_decode(
-            be.attn, be.ws_acc, be.ws_ml, be.attn_counters, be.qkv, be.k_layers[i % nl],
-            be.v_layers[i % nl], be.cos, be.sin, be.page_table, be.pos, be.attn_min_pps)),
-        ("gemv_int4_residual o", nl, lambda i: o.gemv_int4_residual(
-            be.hidden, be.attn, layers[i % nl].o_qw, layers[i % nl].o_sc)),
-        ("gemv_int4_silu_mul", nl, lambda i: o.gemv_int4_silu_mul(
-            be.act, xn, layers[i % nl].gate_qw, layers[i % nl].gate_sc, layers[i % nl].up_qw,
-            layers[i % nl].up_sc)),
-        ("gemv_int4_residual down", nl, lambda i: o.gemv_int4_residual(
-            be.hidden, be.act, layers[i % nl].down_qw, layers[i % nl].down_sc)),
-        ("gemv_fp16 lm_head", 1, lambda i: o.gemv_fp16(be.logits, xn, be.lm_head)),
+    H = cfg.hidden_size
+    parts = torch.zeros(H // 16, device=be.device)  # the folded norm's parts (the engine's own
+    # buffer lives in C++); right for the step's hidden: embed_gather writes them first
+    with torch.inference_mode():
+        o.embed_gather(be.hidden, be.embed, be.token_in, parts[None])
+    lm_head = ("gemv_fp16 lm_head", 1, lambda i: o.gemv_fp16(be.logits, xn, be.lm_head))
+    tail = [
         ("sample_token greedy", 1, lambda i: o.sample_token(
             be.sampled, be.work, be.logits, be.ctx_tokens, be.pos, be.params_f, be.params_i,
             be.counter)),
         ("advance_step", 1, lambda i: o.advance_step(
             be.token_in, be.pos, be.ctx_tokens, be.counter, ring, be.sampled, no_stops, halt)),
     ]
+    attention = ("attention_decode", nl, lambda i: o.attention_decode(
+        be.attn, be.ws_acc, be.ws_ml, be.attn_counters, be.qkv, be.k_layers[i % nl],
+        be.v_layers[i % nl], be.cos, be.sin, be.page_table, be.pos, be.attn_min_pps))
+    if be.switches.norm_fold:  # the step's launches with the norms folded (the default)
+        rows = [
+            ("embed_gather (parts)", 1, lambda i: o.embed_gather(be.hidden, be.embed, be.token_in,
+                                                                 parts[None])),
+            ("gemv_int4_norm qkv", nl, lambda i: o.gemv_int4_norm(
+                be.qkv[0], be.hidden[0], parts, layers[i % nl].ln1, eps, layers[i % nl].qkv_qw,
+                layers[i % nl].qkv_sc, layers[i % nl].qkv_b)),
+            attention,
+            ("gemv_int4_residual o (parts)", nl, lambda i: o.gemv_int4_residual(
+                be.hidden, be.attn, layers[i % nl].o_qw, layers[i % nl].o_sc, parts)),
+            ("gemv_int4_silu_mul_norm", nl, lambda i: o.gemv_int4_silu_mul_norm(
+                be.act, be.hidden[0], parts, layers[i % nl].ln2, eps, layers[i % nl].gate_qw,
+                layers[i % nl].gate_sc, layers[i % nl].up_qw, layers[i % nl].up_sc)),
+            ("gemv_int4_residual down (parts)", nl, lambda i: o.gemv_int4_residual(
+                be.hidden, be.act, layers[i % nl].down_qw, layers[i % nl].down_sc, parts)),
+            ("rmsnorm (final)", 1, lambda i: o.rmsnorm(xn, be.hidden, be.norm, eps)),
+            lm_head, *tail]
+    else:  # NANOQWEN_NORM_FOLD=0: the norms as their own launches
+        rows = [
+            ("embed_gather", 1, lambda i: o.embed_gather(be.hidden, be.embed, be.token_in)),
+            ("rmsnorm", 2 * nl + 1, lambda i: o.rmsnorm(xn, be.hidden, layers[i % nl].ln1, eps)),
+            ("gemv_int4 qkv", nl, lambda i: o.gemv_int4(
+                be.qkv, xn, layers[i % nl].qkv_qw, layers[i % nl].qkv_sc, layers[i % nl].qkv_b)),
+            attention,
+            ("gemv_int4_residual o", nl, lambda i: o.gemv_int4_residual(
+                be.hidden, be.attn, layers[i % nl].o_qw, layers[i % nl].o_sc)),
+            ("gemv_int4_silu_mul", nl, lambda i: o.gemv_int4_silu_mul(
+                be.act, xn, layers[i % nl].gate_qw, layers[i % nl].gate_sc, layers[i % nl].up_qw,
+                layers[i % nl].up_sc)),
+            ("gemv_int4_residual down", nl, lambda i: o.gemv_int4_residual(
+                be.hidden, be.act, layers[i % nl].down_qw, layers[i % nl].down_sc)),
+            lm_head, *tail]
     other = alternatives(be, q, eps) if a.alt else []
     import os
     print(f"# {cfg.name} decode step at context {a.context}, {torch.cuda.get_device_name()}, "

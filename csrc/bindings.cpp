@@ -132,7 +132,8 @@ const half* chp(const Tensor& t) { return reinterpret_cast<const half*>(t.data_p
 
 // ---- embedding / norm ------------------------------------------------------------------------
 
-void embed_gather(Tensor& hidden, const Tensor& table, const Tensor& ids) {
+void embed_gather(Tensor& hidden, const Tensor& table, const Tensor& ids,
+                  const c10::optional<Tensor>& parts) {
   const char* op = "embed_gather";
   check_arg(op, "hidden", hidden, at::kFloat);
   check_arg(op, "table", table, at::kHalf);
@@ -141,13 +142,20 @@ void embed_gather(Tensor& hidden, const Tensor& table, const Tensor& ids) {
   check_dims(op, "ids", ids, {-1});
   const int64_t T = ids.size(0), H = table.size(1);
   check_dims(op, "hidden", hidden, {T, H});
-  NQ_CHECK(H % 8 == 0, op, ": hidden size ", H, " is not a multiple of 8");
+  NQ_CHECK(H % 16 == 0, op, ": hidden size ", H, " is not a multiple of 16");
   same_device(op, hidden, table, "table");
   same_device(op, hidden, ids, "ids");
+  float* pp = nullptr;
+  if (parts.has_value()) {  // the folded norm's sum-of-squares parts, [T, H/16]
+    check_arg(op, "parts", *parts, at::kFloat);
+    check_dims(op, "parts", *parts, {T, H / 16});
+    same_device(op, hidden, *parts, "parts");
+    pp = parts->data_ptr<float>();
+  }
   const c10::cuda::CUDAGuard g(hidden.device());
   check_launch(op, nanoqwen::embed_gather(hidden.data_ptr<float>(), chp(table),
                                           ids.data_ptr<int32_t>(), (int)T, (int)H,
-                                          (int)table.size(0), stream_of(hidden)));
+                                          (int)table.size(0), stream_of(hidden), pp));
 }
 
 void rmsnorm(Tensor& out, const Tensor& hidden, const Tensor& weight, double eps) {
@@ -159,8 +167,8 @@ void rmsnorm(Tensor& out, const Tensor& hidden, const Tensor& weight, double eps
   const int64_t T = hidden.size(0), H = hidden.size(1);
   check_dims(op, "out", out, {T, H});
   check_dims(op, "weight", weight, {H});
-  NQ_CHECK(H % 4 == 0 && H <= 8192, op, ": hidden size ", H,
-              " must be a multiple of 4 and at most 8192");
+  NQ_CHECK(H % 16 == 0 && H <= 8192, op, ": hidden size ", H,
+              " must be a multiple of 16 and at most 8192");
   NQ_CHECK(eps > 0, op, ": eps=", eps, " must be > 0");
   same_device(op, out, hidden, "hidden");
   same_device(op, out, weight, "weight");
@@ -533,7 +541,7 @@ void gemv_int4(Tensor& y, const Tensor& x, const Tensor& qweight, const Tensor& 
 }
 
 void gemv_int4_residual(Tensor& hidden, const Tensor& x, const Tensor& qweight,
-                        const Tensor& scales) {
+                        const Tensor& scales, const c10::optional<Tensor>& parts) {
   const char* op = "gemv_int4_residual";
   int64_t n, k, c;
   check_int4(op, x, qweight, scales, &n, &k, &c);
@@ -542,9 +550,72 @@ void gemv_int4_residual(Tensor& hidden, const Tensor& x, const Tensor& qweight,
            " elements, expected cols*n=", c * n);
   for (const Tensor* t : Ts{&x, &qweight, &scales}) same_device(op, hidden, *t, "an input");
   const c10::cuda::CUDAGuard g(hidden.device());
-  check_launch(op, nanoqwen::gemv_int4_residual(hidden.data_ptr<float>(), chp(x), qw(qweight),
-                                                chp(scales), (int)n, (int)k, (int)c,
-                                                stream_of(hidden)));
+  if (!parts.has_value()) {
+    check_launch(op, nanoqwen::gemv_int4_residual(hidden.data_ptr<float>(), chp(x), qw(qweight),
+                                                  chp(scales), (int)n, (int)k, (int)c,
+                                                  stream_of(hidden)));
+    return;
+  }
+  // the decode step's form: one column, and the parts of the updated rows' sum of squares
+  NQ_CHECK(c == 1, op, ": parts are written for one column only, x has ", c);
+  check_arg(op, "parts", *parts, at::kFloat);
+  check_dims(op, "parts", *parts, {(n + 15) / 16});
+  same_device(op, hidden, *parts, "parts");
+  check_launch(op, nanoqwen::gemv_int4_residual_parts(hidden.data_ptr<float>(),
+                                                      parts->data_ptr<float>(), chp(x),
+                                                      qw(qweight), chp(scales), (int)n, (int)k,
+                                                      stream_of(hidden)));
+}
+
+// The decode step's folded norm in place of x: hidden [k] fp32, its parts [k/16] fp32, the norm
+// weight ln [k] fp16, eps > 0.
+void check_norm_in(const char* op, const Tensor& out, const Tensor& hidden, const Tensor& parts,
+                   const Tensor& ln, double eps, int64_t k) {
+  check_arg(op, "hidden", hidden, at::kFloat);
+  check_arg(op, "parts", parts, at::kFloat);
+  check_arg(op, "ln", ln, at::kHalf);
+  NQ_CHECK(hidden.numel() == k, op, ": hidden has ", hidden.numel(), " elements, expected k=", k);
+  check_dims(op, "parts", parts, {k / 16});
+  check_dims(op, "ln", ln, {k});
+  NQ_CHECK(eps > 0, op, ": eps=", eps, " must be > 0");
+  for (const Tensor* t : Ts{&hidden, &parts, &ln}) same_device(op, out, *t, "an input");
+}
+
+void gemv_int4_norm(Tensor& y, const Tensor& hidden, const Tensor& parts, const Tensor& ln,
+                    double eps, const Tensor& qweight, const Tensor& scales,
+                    const c10::optional<Tensor>& bias) {
+  const char* op = "gemv_int4_norm";
+  int64_t n, k;
+  check_qweight(op, qweight, scales, &n, &k);
+  check_norm_in(op, y, hidden, parts, ln, eps, k);
+  check_arg(op, "y", y, at::kHalf);
+  NQ_CHECK(y.numel() == n, op, ": y has ", y.numel(), " elements, expected n=", n);
+  const half* b = opt_bias(op, bias, y, n);
+  for (const Tensor* t : Ts{&qweight, &scales}) same_device(op, y, *t, "an input");
+  const c10::cuda::CUDAGuard g(y.device());
+  check_launch(op, nanoqwen::gemv_int4_norm(hp(y), hidden.data_ptr<float>(),
+                                            parts.data_ptr<float>(), chp(ln), (float)eps,
+                                            qw(qweight), chp(scales), b, (int)n, (int)k,
+                                            stream_of(y)));
+}
+
+void gemv_int4_silu_mul_norm(Tensor& out, const Tensor& hidden, const Tensor& parts,
+                             const Tensor& ln, double eps, const Tensor& qw_gate,
+                             const Tensor& sc_gate, const Tensor& qw_up, const Tensor& sc_up) {
+  const char* op = "gemv_int4_silu_mul_norm";
+  int64_t n, k, n2, k2;
+  check_qweight(op, qw_gate, sc_gate, &n, &k, "qw_gate", "sc_gate");
+  check_qweight(op, qw_up, sc_up, &n2, &k2, "qw_up", "sc_up");
+  NQ_CHECK(n == n2 && k == k2, op, ": gate is [", n, ", ", k, "] but up is [", n2, ", ", k2, "]");
+  check_norm_in(op, out, hidden, parts, ln, eps, k);
+  check_arg(op, "out", out, at::kHalf);
+  NQ_CHECK(out.numel() == n, op, ": out has ", out.numel(), " elements, expected n=", n);
+  for (const Tensor* t : Ts{&qw_gate, &sc_gate, &qw_up, &sc_up}) same_device(op, out, *t, "an input");
+  const c10::cuda::CUDAGuard g(out.device());
+  check_launch(op, nanoqwen::gemv_int4_silu_mul_norm(hp(out), hidden.data_ptr<float>(),
+                                                     parts.data_ptr<float>(), chp(ln), (float)eps,
+                                                     qw(qw_gate), chp(sc_gate), qw(qw_up),
+                                                     chp(sc_up), (int)n, (int)k, stream_of(out)));
 }
 
 void gemv_int4_silu_mul(Tensor& out, const Tensor& x, const Tensor& qw_gate, const Tensor& sc_gate,
@@ -725,12 +796,13 @@ class Engine : public torch::CustomClassHolder {
   //   prefill weights (0 dequant, 1 resident, 2 int4: no dense matrices, gemm_int4 on the INT4
   //   weights), prefill_chunk, attention kernel (kAttnCpAsync / kAttnTma), prefill_attn_max
   //   (prompt chunks whose context ends at most this many positions in take attention_prefill,
-  //   longer ones SDPA over gathered K/V; 0: always SDPA)
+  //   longer ones SDPA over gathered K/V; 0: always SDPA), norm_fold (1: the decode step's norms
+//   folded into the GEMVs, its parts buffer owned here; 0: rmsnorm launches)
   Engine(std::vector<Tensor> globals, std::vector<Tensor> layers, std::vector<Tensor> dense,
          std::vector<int64_t> ints, double eps, int64_t stream_ptr)
       : g_(std::move(globals)), l_(std::move(layers)), d_(std::move(dense)) {
     const char* op = "Engine";
-    NQ_CHECK(ints.size() == 13, op, ": ints has ", (int64_t)ints.size(), " values, expected 13");
+    NQ_CHECK(ints.size() == 14, op, ": ints has ", (int64_t)ints.size(), " values, expected 14");
     NQ_CHECK(g_.size() == 24, op, ": globals has ", (int64_t)g_.size(), " tensors, expected 24");
     NQ_CHECK(!l_.empty() && l_.size() % 15 == 0, op, ": layers has ", (int64_t)l_.size(),
              " tensors, expected 15 a layer");
@@ -765,6 +837,8 @@ class Engine : public torch::CustomClassHolder {
     a.attn_kernel = (int)ints[11];
     NQ_CHECK(ints[12] >= 0, op, ": prefill_attn_max=", ints[12], " must be >= 0");
     prefill_attn_max_ = ints[12];
+    NQ_CHECK(ints[13] == 0 || ints[13] == 1, op, ": norm_fold=", ints[13], " must be 0 or 1");
+    a.norm_fold = (int)ints[13];
     struct Want { const char* name; at::ScalarType dt; std::vector<int64_t> dims; };
     const std::vector<Want> want = {
         {"embed", at::kHalf, {V, H}}, {"final_norm", at::kHalf, {H}}, {"lm_head", at::kHalf, {V, H}},
@@ -801,6 +875,8 @@ class Engine : public torch::CustomClassHolder {
     a.sampled = g_[18].data_ptr<int32_t>(); a.counter = g_[19].data_ptr<int64_t>();
     a.ctx_tokens = g_[20].data_ptr<int32_t>(); a.params_f = g_[21].data_ptr<float>();
     a.params_i = g_[22].data_ptr<int64_t>(); a.stops = g_[23].data_ptr<int32_t>();
+    norm_parts_ = at::zeros({H / 16}, g_[3].options());   // fp32 on hidden's device
+    a.norm_parts = norm_parts_.data_ptr<float>();
     for (int64_t li = 0; li < nl; ++li) {
       const Tensor* t = &l_[15 * li];
       const std::string pfx = "layer " + std::to_string(li) + " ";
@@ -1347,6 +1423,7 @@ class Engine : public torch::CustomClassHolder {
   int64_t int4_max_m_ = 0;   // dequant weights: chunks this short through gemm_int4 instead
   int64_t prefill_attn_max_ = 0;   // chunks ending at most here: attention_prefill, else SDPA
   Tensor split_counters_;    // gemm_int4's split-K tile counters (kGemmCounters, kept zeroed)
+  Tensor norm_parts_;        // the decode step's folded norm's parts [H/16] (StepArgs::norm_parts)
   int64_t chunk_ = 2048;
   c10::Device device_{c10::kCUDA, 0};
   cudaStream_t stream_ = nullptr;
@@ -1384,7 +1461,8 @@ TORCH_LIBRARY(nanoqwen, m) {
       .def("halted", &nanoqwen_ops::Engine::halted)
       .def("gated", &nanoqwen_ops::Engine::gated);
   // token ids -> fp32 residual rows (decode: T=1 reading the id the last step sampled)
-  m.def("embed_gather(Tensor! hidden, Tensor table, Tensor ids) -> ()");
+  // (parts: the decode step's folded norm's sum-of-squares parts of each row, [T, H/16])
+  m.def("embed_gather(Tensor! hidden, Tensor table, Tensor ids, Tensor(a!)? parts=None) -> ()");
   // fp32 residual rows -> fp16 normed rows (input/post-attention/final norm)
   m.def("rmsnorm(Tensor! out, Tensor hidden, Tensor weight, float eps) -> ()");
   // RoPE on q,k of qkv rows at positions pos.. + write k,v into the layer's 16-token pages
@@ -1402,8 +1480,16 @@ TORCH_LIBRARY(nanoqwen, m) {
   // INT4 g128 GEMV y = W x + bias (the fused q/k/v projection); every GEMV takes x [k] or
   // [cols <= 16, k] (the verify step's tokens; each column as a one-column call computes it)
   m.def("gemv_int4(Tensor! y, Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> ()");
-  // INT4 GEMV accumulated into the fp32 residual (o_proj, down_proj)
-  m.def("gemv_int4_residual(Tensor! hidden, Tensor x, Tensor qweight, Tensor scales) -> ()");
+  // INT4 GEMV accumulated into the fp32 residual (o_proj, down_proj); with parts (one column)
+  // also the updated rows' sum-of-squares parts (the decode step's folded norm, gemv.h)
+  m.def("gemv_int4_residual(Tensor! hidden, Tensor x, Tensor qweight, Tensor scales, "
+        "Tensor(a!)? parts=None) -> ()");
+  // the decode step's folded norms: gemv_int4 / gemv_int4_silu_mul of rmsnorm(hidden, ln) formed
+  // from hidden's parts
+  m.def("gemv_int4_norm(Tensor! y, Tensor hidden, Tensor parts, Tensor ln, float eps, "
+        "Tensor qweight, Tensor scales, Tensor? bias) -> ()");
+  m.def("gemv_int4_silu_mul_norm(Tensor! out, Tensor hidden, Tensor parts, Tensor ln, float eps, "
+        "Tensor qw_gate, Tensor sc_gate, Tensor qw_up, Tensor sc_up) -> ()");
   // fused gate/up INT4 GEMV with silu(gate) * up
   m.def("gemv_int4_silu_mul(Tensor! out, Tensor x, Tensor qw_gate, Tensor sc_gate, Tensor qw_up, "
         "Tensor sc_up) -> ()");
@@ -1440,6 +1526,8 @@ TORCH_LIBRARY_IMPL(nanoqwen, CUDA, m) {
   m.impl("advance_step", &nanoqwen_ops::advance_step);
   m.impl("gemv_int4", &nanoqwen_ops::gemv_int4);
   m.impl("gemv_int4_residual", &nanoqwen_ops::gemv_int4_residual);
+  m.impl("gemv_int4_norm", &nanoqwen_ops::gemv_int4_norm);
+  m.impl("gemv_int4_silu_mul_norm", &nanoqwen_ops::gemv_int4_silu_mul_norm);
   m.impl("gemm_int4", &nanoqwen_ops::gemm_int4);
   m.impl("gemm_int4_residual", &nanoqwen_ops::gemm_int4_residual);
   m.impl("gemm_int4_silu_mul", &nanoqwen_ops::gemm_int4_silu_mul);

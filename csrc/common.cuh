@@ -90,12 +90,6 @@ inline cudaError_t smem_refused(cudaError_t e, const char* what, int bytes) {
                  what, bytes, cudaGetErrorString(e));
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // Streaming 16-byte weight load: read-only path, no L1 allocation (the weights are read
 // once per token; L1 is left to the activations). Used by the GEMV kernels. volatile: the
 // kernels issue their first weight loads before griddep_wait() on purpose (PDL), and a
@@ -146,17 +140,49 @@ __device__ __forceinline__ void rope_pair(float a, float b, float c, float s, ha
   hi = __float2half_rn(__fmaf_rn(b, c, __fmul_rn(a, s)));
 }
 
-// Block-wide sum; every thread gets the result. `scratch` holds >= 32 floats. Must be called
-// by all threads of the block (it contains block barriers), never inside a warp-id branch.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nwarps = (blockDim.x + 31) >> 5;
-  v = warp_sum(v);
-  __syncthreads();  // scratch may still be read by a previous call
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  float r = lane < nwarps ? scratch[lane] : 0.f;
-  return warp_sum(r);
+// ---- RMSNorm's sum of squares, in ONE order everywhere ---------------------------------------
+// The decode step folds its norms into neighbours (engine.cu, NormFold): the residual GEMVs that
+// update hidden (and the embedding gather) each write, per 16 consecutive entries of the row, a
+// partial sum of squares ("part" b = entries 16b .. 16b+15), and the GEMVs after the norm fold
+// the H/16 parts into the row's sum and form x = w * (h * r) themselves. rmsnorm_kernel (the
+// verify step, the prefill, the final norm) computes the same parts and the same fold, so a row
+// normed either way is bit-identical: a verified token sees a decode step's numbers. Every
+// operation is an explicit _rn (no contraction into FMAs), so torch can replay the order
+// exactly (tests/gpu/test_norm_fold.py):
+//   part  = tree over the 16 squares: a_i = s_i + s_{i+8}, b_i = a_i + a_{i+4}, c_i = b_i +
+//           b_{i+2}, part = c_0 + c_1 (s_i = h_i * h_i)  -- a 16-lane xor butterfly's lane 0;
+//   fold  = lane l sums parts l, l+32, ... in order from 0, then a 32-lane xor butterfly
+//           (16, 8, 4, 2, 1); r = rsqrt(fold / H + eps).
+__device__ __forceinline__ float sq_part16(const float (&h)[16]) {
+  float a[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) a[i] = __fadd_rn(__fmul_rn(h[i], h[i]), __fmul_rn(h[i + 8], h[i + 8]));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) a[i] = __fadd_rn(a[i], a[i + 4]);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) a[i] = __fadd_rn(a[i], a[i + 2]);
+  return __fadd_rn(a[0], a[1]);
+}
+// The same part when lane i (< 16) of a warp holds h_i (lanes 16..31 pass 0): lane 0 returns it.
+// Called by every lane of the warp.
+__device__ __forceinline__ float sq_part16_lanes(float h) {
+  float v = __fmul_rn(h, h);
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// The fold of np parts (global or shared memory), by one whole warp; every lane gets r.
+__device__ __forceinline__ float norm_fold_rs(const float* parts, int np, int H, float eps) {
+  const int lane = threadIdx.x & 31;
+  float v = 0.f;
+  for (int j = lane; j < np; j += 32) v = __fadd_rn(v, parts[j]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return rsqrtf(__fadd_rn(__fdiv_rn(v, (float)H), eps));
+}
+// One normed entry: half(w * (h * r)), rounded once.
+__device__ __forceinline__ half norm_entry(float h, float r, float w) {
+  return __float2half_rn(__fmul_rn(w, __fmul_rn(h, r)));
 }
 
 // ---- INT4 words and tensor-core fragments (the INT4 GEMVs; the lab's variants of them) --------

@@ -2,7 +2,8 @@
 // fp16 prefill's SiLU*mul (the fused gate/up projection's rows -> the down projection's input).
 //
 // The residual add that HF writes before each norm happens in the o/down GEMV epilogue
-// (gemv_int4_residual accumulates into the fp32 `hidden`), so the norm here only reads.
+// (gemv_int4_residual accumulates into the fp32 `hidden`), so the norm here only reads; its sum
+// of squares is common.cuh's order (the decode step's folded norms compute the same numbers).
 // Both kernels take T rows (T = 1 in decode, a prefill chunk otherwise); H is a multiple of
 // 128 (config.py checks it), so rows are 16-byte aligned and vector loads are safe.
 #include "common.cuh"
@@ -10,74 +11,93 @@
 
 namespace nanoqwen {
 
-__global__ void embed_gather_kernel(float* __restrict__ hidden, const half* __restrict__ table,
+// Thread j of row t takes entries 16j .. 16j+15 (two 16-byte loads of the table, four 16-byte
+// stores); with parts it also writes that run's part of the sum of squares (common.cuh).
+__global__ void embed_gather_kernel(float* __restrict__ hidden, float* __restrict__ parts,
+                                    const half* __restrict__ table,
                                     const int32_t* __restrict__ ids, int H, int vocab) {
   griddep_wait();  // ids: the previous step's advance_step may be the kernel right before
   griddep_launch_dependents();
-  const int t = blockIdx.x;
+  const int t = blockIdx.x, np = H / 16;
   int id = ids[t];
   id = id < 0 ? 0 : (id >= vocab ? vocab - 1 : id);
-  // 8 halves (16 bytes) in, 8 floats (32 bytes) out per step
   const uint4* src = reinterpret_cast<const uint4*>(table + (size_t)id * H);
   float4* dst = reinterpret_cast<float4*>(hidden + (size_t)t * H);
-  for (int i = threadIdx.x; i < H / 8; i += blockDim.x) {
-    uint4 u = src[i];
-    const half2* h = reinterpret_cast<const half2*>(&u);
-    float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
-    float2 c = __half22float2(h[2]), d = __half22float2(h[3]);
-    dst[2 * i] = make_float4(a.x, a.y, b.x, b.y);
-    dst[2 * i + 1] = make_float4(c.x, c.y, d.x, d.y);
+  for (int j = threadIdx.x; j < np; j += blockDim.x) {
+    float h[16];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const uint4 v = src[2 * j + u];
+      const half2* h2 = reinterpret_cast<const half2*>(&v);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __half22float2(h2[q]);
+        h[8 * u + 2 * q] = f.x;
+        h[8 * u + 2 * q + 1] = f.y;
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      dst[4 * j + q] = make_float4(h[4 * q], h[4 * q + 1], h[4 * q + 2], h[4 * q + 3]);
+    if (parts) parts[(size_t)t * np + j] = sq_part16(h);
   }
 }
 
 cudaError_t embed_gather(float* hidden, const half* table, const int32_t* ids, int T, int H,
-                         int vocab, cudaStream_t stream) {
+                         int vocab, cudaStream_t stream, float* parts) {
   if (T <= 0) return cudaSuccess;
-  if (H % 8 || vocab < 1)
+  if (H % 16 || vocab < 1)
     return nq_fail(cudaErrorInvalidValue,
-                   "embed_gather: H=%d must be a multiple of 8 and vocab=%d >= 1 (T=%d)", H, vocab,
-                   T);
+                   "embed_gather: H=%d must be a multiple of 16 and vocab=%d >= 1 (T=%d)", H,
+                   vocab, T);
   const cudaError_t e = launch_pdl("embed_gather_kernel", embed_gather_kernel, dim3(T), dim3(256),
-                                   0, stream, hidden, table, ids, H, vocab);
+                                   0, stream, hidden, parts, table, ids, H, vocab);
   if (e == cudaSuccess) return e;
   return nq_fail(e, "embed_gather: T=%d H=%d vocab=%d: %s", T, H, vocab, last_error_message());
 }
 
-// One block per row. Each thread keeps its slice of the row in registers between the
-// sum-of-squares pass and the scaling pass (H <= 8192 fits: 512 threads x 4 x kMaxVec).
-constexpr int kNormThreads = 512;
-constexpr int kMaxVec = 4;  // float4s per thread: H <= 512 * 4 * 4 = 8192
+// One block per row, thread j the entries 16j .. 16j+15, held in registers between the sum of
+// squares and the scaling: the parts and their fold in common.cuh's order, so a row normed here
+// is bit-identical to the decode step's folded norm of it.
+constexpr int kNormMaxH = 8192;  // 512 threads x 16 entries
 
-__global__ void __launch_bounds__(kNormThreads)
+__global__ void __launch_bounds__(kNormMaxH / 16)
 rmsnorm_kernel(half* __restrict__ out, const float* __restrict__ hidden,
                const half* __restrict__ weight, int H, float eps) {
-  __shared__ float scratch[32];
+  __shared__ float part_s[kNormMaxH / 16];
+  __shared__ float r_s;
   griddep_wait();  // hidden comes from the kernel before
   griddep_launch_dependents();
-  const int t = blockIdx.x;
-  const float4* x4 = reinterpret_cast<const float4*>(hidden + (size_t)t * H);
-  const int n4 = H / 4;
-  float4 v[kMaxVec];
-  float ss = 0.f;
+  const int t = blockIdx.x, j = threadIdx.x, np = H / 16;
+  float h[16];
+  if (j < np) {
+    const float4* x4 = reinterpret_cast<const float4*>(hidden + (size_t)t * H) + 4 * j;
 #pragma unroll
-  for (int j = 0; j < kMaxVec; ++j) {
-    const int i = threadIdx.x + j * kNormThreads;
-    if (i < n4) {
-      v[j] = x4[i];
-      ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+    for (int q = 0; q < 4; ++q) {
+      const float4 v = x4[q];
+      h[4 * q] = v.x; h[4 * q + 1] = v.y; h[4 * q + 2] = v.z; h[4 * q + 3] = v.w;
     }
+    part_s[j] = sq_part16(h);
   }
-  ss = block_sum(ss, scratch);
-  const float r = rsqrtf(ss / (float)H + eps);
-  const half2* w2 = reinterpret_cast<const half2*>(weight);
-  half2* o2 = reinterpret_cast<half2*>(out + (size_t)t * H);
+  __syncthreads();
+  if (j < 32) {  // one whole warp (the block has >= 32 threads)
+    const float r = norm_fold_rs(part_s, np, H, eps);
+    if (j == 0) r_s = r;
+  }
+  __syncthreads();
+  if (j < np) {
+    const float r = r_s;
+    const uint4* w4 = reinterpret_cast<const uint4*>(weight) + 2 * j;
+    uint4* o4 = reinterpret_cast<uint4*>(out + (size_t)t * H) + 2 * j;
 #pragma unroll
-  for (int j = 0; j < kMaxVec; ++j) {
-    const int i = threadIdx.x + j * kNormThreads;
-    if (i < n4) {
-      float2 wa = __half22float2(w2[2 * i]), wb = __half22float2(w2[2 * i + 1]);
-      o2[2 * i] = __floats2half2_rn(wa.x * (v[j].x * r), wa.y * (v[j].y * r));
-      o2[2 * i + 1] = __floats2half2_rn(wb.x * (v[j].z * r), wb.y * (v[j].w * r));
+    for (int u = 0; u < 2; ++u) {
+      const uint4 wv = w4[u];
+      const half* w8 = reinterpret_cast<const half*>(&wv);
+      uint4 ov;
+      half* o8 = reinterpret_cast<half*>(&ov);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) o8[q] = norm_entry(h[8 * u + q], r, __half2float(w8[q]));
+      o4[u] = ov;
     }
   }
 }
@@ -85,12 +105,13 @@ rmsnorm_kernel(half* __restrict__ out, const float* __restrict__ hidden,
 cudaError_t rmsnorm(half* out, const float* hidden, const half* weight, int T, int H, float eps,
                     cudaStream_t stream) {
   if (T <= 0) return cudaSuccess;
-  if (H % 4 || H > kNormThreads * 4 * kMaxVec)
+  if (H % 16 || H > kNormMaxH)
     return nq_fail(cudaErrorInvalidValue,
-                   "rmsnorm: H=%d must be a multiple of 4 and at most %d (T=%d)", H,
-                   kNormThreads * 4 * kMaxVec, T);
-  const cudaError_t e = launch_pdl("rmsnorm_kernel", rmsnorm_kernel, dim3(T), dim3(kNormThreads),
-                                   0, stream, out, hidden, weight, H, eps);
+                   "rmsnorm: H=%d must be a multiple of 16 and at most %d (T=%d)", H, kNormMaxH,
+                   T);
+  const int threads = (H / 16 + 31) / 32 * 32;
+  const cudaError_t e = launch_pdl("rmsnorm_kernel", rmsnorm_kernel, dim3(T), dim3(threads), 0,
+                                   stream, out, hidden, weight, H, eps);
   if (e == cudaSuccess) return e;
   return nq_fail(e, "rmsnorm: T=%d H=%d: %s", T, H, last_error_message());
 }

@@ -102,28 +102,49 @@ cudaError_t launch_sample_advance(const StepArgs& a, cudaStream_t s) {
 cudaError_t launch_step(const StepArgs& a, cudaStream_t s) {
   const int qkv_n = (a.n_heads + 2 * a.n_kv) * a.head_dim, q = a.n_heads * a.head_dim;
   const float scale = 1.0f / sqrtf((float)a.head_dim);
-  NQ_TRY(embed_gather(a.hidden, a.embed, a.token_in, 1, a.H, a.vocab, s),
+  // norm_fold: each norm is formed by the GEMV after it from the parts the kernel before it
+  // wrote (gemv.h); the parts buffer is rewritten only after its readers have finished (every
+  // launch's outputs come after its griddep_wait, and the chain is one stream)
+  float* parts = a.norm_fold ? a.norm_parts : nullptr;
+  NQ_TRY(embed_gather(a.hidden, a.embed, a.token_in, 1, a.H, a.vocab, s, parts),
          "decode step, embed_gather (H=%d, V=%d)", a.H, a.vocab);
   for (int li = 0; li < (int)a.layers.size(); ++li) {
     const LayerPtrs& L = a.layers[li];
-    NQ_TRY(rmsnorm(a.xn, a.hidden, L.ln1, 1, a.H, a.eps, s), "decode step, layer %d, rmsnorm 1",
-           li);
-    NQ_TRY(gemv_int4(a.qkv, a.xn, L.qkv_qw, L.qkv_sc, L.qkv_b, qkv_n, a.H, 1, s),
-           "decode step, layer %d, qkv gemv_int4", li);
+    if (parts) {
+      NQ_TRY(gemv_int4_norm(a.qkv, a.hidden, parts, L.ln1, a.eps, L.qkv_qw, L.qkv_sc, L.qkv_b,
+                            qkv_n, a.H, s),
+             "decode step, layer %d, qkv gemv_int4_norm", li);
+    } else {
+      NQ_TRY(rmsnorm(a.xn, a.hidden, L.ln1, 1, a.H, a.eps, s), "decode step, layer %d, rmsnorm 1",
+             li);
+      NQ_TRY(gemv_int4(a.qkv, a.xn, L.qkv_qw, L.qkv_sc, L.qkv_b, qkv_n, a.H, 1, s),
+             "decode step, layer %d, qkv gemv_int4", li);
+    }
     NQ_TRY(attention_decode(a.attn, a.ws_acc, a.ws_ml, a.attn_counters, a.qkv, L.k_cache,
                             L.v_cache, a.cos, a.sin, a.page_table, a.table_len, a.pos, a.n_heads,
                             a.n_kv, a.head_dim, a.num_splits, a.min_pps, a.attn_kernel, scale, s),
            "decode step, layer %d, attention_decode (heads %d/%d, d=%d, splits %d, min_pps %d, "
            "kernel %d)",
            li, a.n_heads, a.n_kv, a.head_dim, a.num_splits, a.min_pps, a.attn_kernel);
-    NQ_TRY(gemv_int4_residual(a.hidden, a.attn, L.o_qw, L.o_sc, a.H, q, 1, s),
-           "decode step, layer %d, o gemv_int4_residual", li);
-    NQ_TRY(rmsnorm(a.xn, a.hidden, L.ln2, 1, a.H, a.eps, s), "decode step, layer %d, rmsnorm 2",
-           li);
-    NQ_TRY(gemv_int4_silu_mul(a.act, a.xn, L.gate_qw, L.gate_sc, L.up_qw, L.up_sc, a.I, a.H, 1, s),
-           "decode step, layer %d, gate/up gemv_int4_silu_mul", li);
-    NQ_TRY(gemv_int4_residual(a.hidden, a.act, L.down_qw, L.down_sc, a.H, a.I, 1, s),
-           "decode step, layer %d, down gemv_int4_residual", li);
+    if (parts) {
+      NQ_TRY(gemv_int4_residual_parts(a.hidden, parts, a.attn, L.o_qw, L.o_sc, a.H, q, s),
+             "decode step, layer %d, o gemv_int4_residual_parts", li);
+      NQ_TRY(gemv_int4_silu_mul_norm(a.act, a.hidden, parts, L.ln2, a.eps, L.gate_qw, L.gate_sc,
+                                     L.up_qw, L.up_sc, a.I, a.H, s),
+             "decode step, layer %d, gate/up gemv_int4_silu_mul_norm", li);
+      NQ_TRY(gemv_int4_residual_parts(a.hidden, parts, a.act, L.down_qw, L.down_sc, a.H, a.I, s),
+             "decode step, layer %d, down gemv_int4_residual_parts", li);
+    } else {
+      NQ_TRY(gemv_int4_residual(a.hidden, a.attn, L.o_qw, L.o_sc, a.H, q, 1, s),
+             "decode step, layer %d, o gemv_int4_residual", li);
+      NQ_TRY(rmsnorm(a.xn, a.hidden, L.ln2, 1, a.H, a.eps, s), "decode step, layer %d, rmsnorm 2",
+             li);
+      NQ_TRY(gemv_int4_silu_mul(a.act, a.xn, L.gate_qw, L.gate_sc, L.up_qw, L.up_sc, a.I, a.H, 1,
+                                s),
+             "decode step, layer %d, gate/up gemv_int4_silu_mul", li);
+      NQ_TRY(gemv_int4_residual(a.hidden, a.act, L.down_qw, L.down_sc, a.H, a.I, 1, s),
+             "decode step, layer %d, down gemv_int4_residual", li);
+    }
   }
   const cudaError_t e = launch_logits(a, s);
   return e != cudaSuccess ? e : launch_sample_advance(a, s);

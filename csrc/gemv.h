@@ -63,6 +63,24 @@ cudaError_t gemv_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate
                                const half* sc_gate, const uint32_t* qw_up, const half* sc_up,
                                int n, int k, int cols, cudaStream_t stream);
 
+// The decode step's folded norms (one column; the order of the sum of squares: common.cuh).
+// gemv_int4_norm / gemv_int4_silu_mul_norm: gemv_int4 / gemv_int4_silu_mul of
+// x = rmsnorm(hidden, ln, eps), which each block forms itself from hidden [k] fp32, the k/16
+// parts of its sum of squares (parts [k/16] fp32, written by gemv_int4_residual_parts or
+// embed_gather) and ln [k] fp16 -- bit-identical to rmsnorm() followed by the plain GEMV.
+// gemv_int4_residual_parts: gemv_int4_residual (one column) that also writes parts [ceil(n/16)]:
+// part b = the sum of squares of the updated hidden[16b .. 16b+15], in that order.
+cudaError_t gemv_int4_norm(half* y, const float* hidden, const float* parts, const half* ln,
+                           float eps, const uint32_t* qweight, const half* scales,
+                           const half* bias, int n, int k, cudaStream_t stream);
+cudaError_t gemv_int4_silu_mul_norm(half* out, const float* hidden, const float* parts,
+                                    const half* ln, float eps, const uint32_t* qw_gate,
+                                    const half* sc_gate, const uint32_t* qw_up, const half* sc_up,
+                                    int n, int k, cudaStream_t stream);
+cudaError_t gemv_int4_residual_parts(float* hidden, float* parts, const half* x,
+                                     const uint32_t* qweight, const half* scales, int n, int k,
+                                     cudaStream_t stream);
+
 // logits[c][n] = sum_k W[n,k]*x[c][k]   W fp16 row-major [n, k] (the lm_head), fp32 products and
 // sums.
 cudaError_t gemv_fp16(float* logits, const half* x, const half* w, int n, int k, int cols,

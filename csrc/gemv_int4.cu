@@ -58,6 +58,15 @@ struct Args {
   int n;
   int k;
   int nc;               // columns: x [nc, k], out [nc, n] (1: the decode GEMV)
+  // The decode step's folded norm (one column; common.cuh): non-null `hid`, the consumer forms
+  // x = rmsnorm(hid) itself from hid [k] fp32, its k/16 sum-of-squares parts and the norm weight
+  // ln [k] (x is then unused); non-null `parts_out`, OP_RESID writes the parts of what it adds
+  // (block b, rows 16b..16b+15: n/16 parts).
+  const float* hid;
+  const float* parts;
+  const half* ln;
+  float eps;
+  float* parts_out;
 };
 
 // One group of one 16-row tile: va / vb = lane t's 16-byte chunk of rows g / g+8, xv its x
@@ -141,7 +150,8 @@ __device__ __forceinline__ void emit_row(const Args& a, int row, int col,
     if (a.bias) y += __half2float(a.bias[row]);
     static_cast<half*>(a.out)[i] = __float2half_rn(y);
   } else if constexpr (OP == OP_RESID) {
-    static_cast<float*>(a.out)[i] += v[0];
+    float* h = static_cast<float*>(a.out) + i;
+    *h = __fadd_rn(*h, v[0]);
   } else {
     const float g = v[0], u = v[1];
     static_cast<half*>(a.out)[i] = __float2half_rn(g / (1.f + __expf(-g)) * u);
@@ -175,6 +185,14 @@ __device__ __forceinline__ void splitk_store(const Args& a, float* red, const fl
         for (int w = 0; w < KS; ++w) v[m] += red[(w * NM + m) * 16 + tid];
       }
       emit_row<OP>(a, row, 0, v);
+    }
+  }
+  if constexpr (OP == OP_RESID) {
+    if (a.parts_out && tid < 32) {  // warp 0: the part of rows row0 .. row0+15 as updated
+      const int row = row0 + tid;
+      const float h = tid < 16 && row < a.n ? static_cast<const float*>(a.out)[row] : 0.f;
+      const float p = sq_part16_lanes(h);
+      if (tid == 0) a.parts_out[blockIdx.x] = p;
     }
   }
 }
@@ -300,11 +318,30 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
   griddep_wait();  // PDL: x and the output only after the wait (common.cuh)
   griddep_launch_dependents();
   if constexpr (NT == 0) {  // stage this warp's x: 16 pieces per group, piece p = 4t + j stored at 4j + t
-    const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
     const int p = lane & 15;
-    for (int i = lane >> 4; i < cnt; i += 2) {
-      const int gi = gb + i;
-      xs[gi * 16 + (p & 3) * 4 + (p >> 2)] = __ldg(x4 + gi * 16 + p);
+    if (a.hid) {  // the folded norm: piece = half(ln * (hid * r)), 8 entries, rmsnorm's numbers
+      const float4* h4 = reinterpret_cast<const float4*>(a.hid);
+      const uint4* w4 = reinterpret_cast<const uint4*>(a.ln);
+      const float r = norm_fold_rs(a.parts, a.k >> 4, a.k, a.eps);
+#pragma unroll 2
+      for (int i = lane >> 4; i < cnt; i += 2) {
+        const int pi = (gb + i) * 16 + p;
+        const float4 h0 = __ldg(h4 + 2 * pi), h1 = __ldg(h4 + 2 * pi + 1);
+        const uint4 wv = __ldg(w4 + pi);
+        const half* w8 = reinterpret_cast<const half*>(&wv);
+        const float hv[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+        uint4 xv;
+        half* x8 = reinterpret_cast<half*>(&xv);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) x8[q] = norm_entry(hv[q], r, __half2float(w8[q]));
+        xs[(gb + i) * 16 + (p & 3) * 4 + (p >> 2)] = xv;
+      }
+    } else {
+      const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
+      for (int i = lane >> 4; i < cnt; i += 2) {
+        const int gi = gb + i;
+        xs[gi * 16 + (p & 3) * 4 + (p >> 2)] = __ldg(x4 + gi * 16 + p);
+      }
     }
   }
   // NT > 0: lane g's columns 8*nt + g (null: past nc, fed zeros); group gi's pieces 4t..4t+3,
@@ -571,7 +608,9 @@ cudaError_t gemv_int4(half* y, const half* x, const uint32_t* qweight, const hal
                       const half* bias, int n, int k, int cols, cudaStream_t stream) {
   if (cudaError_t e = check_int4("gemv_int4", y, x, qweight, scales, n, k, cols)) return e;
   return run_int4("gemv_int4", OP_STORE,
-                  Args{y, x, qweight, scales, nullptr, nullptr, bias, n, k, cols}, stream);
+                  Args{y, x, qweight, scales, nullptr, nullptr, bias, n, k, cols, nullptr, nullptr,
+                       nullptr, 0.f, nullptr},
+                  stream);
 }
 
 cudaError_t gemv_int4_residual(float* hidden, const half* x, const uint32_t* qweight,
@@ -579,7 +618,9 @@ cudaError_t gemv_int4_residual(float* hidden, const half* x, const uint32_t* qwe
   if (cudaError_t e = check_int4("gemv_int4_residual", hidden, x, qweight, scales, n, k, cols))
     return e;
   return run_int4("gemv_int4_residual", OP_RESID,
-                  Args{hidden, x, qweight, scales, nullptr, nullptr, nullptr, n, k, cols}, stream);
+                  Args{hidden, x, qweight, scales, nullptr, nullptr, nullptr, n, k, cols, nullptr,
+                       nullptr, nullptr, 0.f, nullptr},
+                  stream);
 }
 
 cudaError_t gemv_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate,
@@ -592,7 +633,68 @@ cudaError_t gemv_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate
                    "gemv_int4_silu_mul: up matrix qweight=%p (16-byte aligned) and scales=%p must "
                    "be non-null", (const void*)qw_up, (const void*)sc_up);
   return run_int4("gemv_int4_silu_mul", OP_SILU,
-                  Args{out, x, qw_gate, sc_gate, qw_up, sc_up, nullptr, n, k, cols}, stream);
+                  Args{out, x, qw_gate, sc_gate, qw_up, sc_up, nullptr, n, k, cols, nullptr,
+                       nullptr, nullptr, 0.f, nullptr},
+                  stream);
+}
+
+// ---- the decode step's folded norms (one column) --------------------------------------------
+namespace {
+// The norm's inputs in place of x: hidden [k] fp32, parts [k/16] fp32, ln [k] fp16 (the first
+// two 16-byte aligned), eps > 0. `x` for check_int4 is hidden (its alignment is what matters).
+cudaError_t check_norm(const char* fn, const void* out, const float* hidden, const float* parts,
+                       const half* ln, float eps, const uint32_t* qw, const half* sc, int n,
+                       int k) {
+  if (cudaError_t e = check_int4(fn, out, reinterpret_cast<const half*>(hidden), qw, sc, n, k, 1))
+    return e;
+  if (!parts || !ln || misaligned16(ln))
+    return nq_fail(cudaErrorInvalidValue,
+                   "%s: parts=%p and the norm weight ln=%p (16-byte aligned) must be non-null", fn,
+                   (const void*)parts, (const void*)ln);
+  if (!(eps > 0.f)) return nq_fail(cudaErrorInvalidValue, "%s: eps=%g must be > 0", fn, eps);
+  return cudaSuccess;
+}
+}  // namespace
+
+cudaError_t gemv_int4_norm(half* y, const float* hidden, const float* parts, const half* ln,
+                           float eps, const uint32_t* qweight, const half* scales,
+                           const half* bias, int n, int k, cudaStream_t stream) {
+  if (cudaError_t e = check_norm("gemv_int4_norm", y, hidden, parts, ln, eps, qweight, scales, n, k))
+    return e;
+  return run_int4("gemv_int4_norm", OP_STORE,
+                  Args{y, nullptr, qweight, scales, nullptr, nullptr, bias, n, k, 1, hidden, parts,
+                       ln, eps, nullptr},
+                  stream);
+}
+
+cudaError_t gemv_int4_silu_mul_norm(half* out, const float* hidden, const float* parts,
+                                    const half* ln, float eps, const uint32_t* qw_gate,
+                                    const half* sc_gate, const uint32_t* qw_up, const half* sc_up,
+                                    int n, int k, cudaStream_t stream) {
+  if (cudaError_t e = check_norm("gemv_int4_silu_mul_norm", out, hidden, parts, ln, eps, qw_gate,
+                                 sc_gate, n, k))
+    return e;
+  if (!qw_up || !sc_up || misaligned16(qw_up))
+    return nq_fail(cudaErrorInvalidValue,
+                   "gemv_int4_silu_mul_norm: up matrix qweight=%p (16-byte aligned) and scales=%p "
+                   "must be non-null", (const void*)qw_up, (const void*)sc_up);
+  return run_int4("gemv_int4_silu_mul_norm", OP_SILU,
+                  Args{out, nullptr, qw_gate, sc_gate, qw_up, sc_up, nullptr, n, k, 1, hidden,
+                       parts, ln, eps, nullptr},
+                  stream);
+}
+
+cudaError_t gemv_int4_residual_parts(float* hidden, float* parts, const half* x,
+                                     const uint32_t* qweight, const half* scales, int n, int k,
+                                     cudaStream_t stream) {
+  if (cudaError_t e = check_int4("gemv_int4_residual_parts", hidden, x, qweight, scales, n, k, 1))
+    return e;
+  if (!parts)
+    return nq_fail(cudaErrorInvalidValue, "gemv_int4_residual_parts: parts must be non-null");
+  return run_int4("gemv_int4_residual_parts", OP_RESID,
+                  Args{hidden, x, qweight, scales, nullptr, nullptr, nullptr, n, k, 1, nullptr,
+                       nullptr, nullptr, 0.f, parts},
+                  stream);
 }
 
 cudaError_t dequant_int4(half* w, const uint32_t* qweight, const half* scales, int n, int k,

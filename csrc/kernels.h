@@ -68,11 +68,15 @@ constexpr int kPageSize = 16;
 constexpr int kMaxGqa = 8;  // Qwen2.5-Coder ratios are 5, 6, 7, 8 (and 1 for tests)
 
 // hidden[t, :] = float(table[ids[t], :]) for t < T. ids are clamped into [0, vocab) so a bad
-// id can never read out of bounds (the Python side validates ids before they get here).
+// id can never read out of bounds (the Python side validates ids before they get here). H a
+// multiple of 16. With parts (fp32 [T, H/16]; may be null) it also writes the parts of each
+// row's sum of squares (common.cuh's order), which the decode step's folded norm reads.
 cudaError_t embed_gather(float* hidden, const half* table, const int32_t* ids, int T, int H,
-                         int vocab, cudaStream_t stream);
+                         int vocab, cudaStream_t stream, float* parts = nullptr);
 
-// out[t, :] = half(w * x * rsqrt(mean(x^2) + eps)), x = hidden[t, :] in fp32.
+// out[t, :] = half(w * x * rsqrt(mean(x^2) + eps)), x = hidden[t, :] in fp32; H a multiple of
+// 16, at most 8192. The sum of squares is common.cuh's order, so the result is bit-identical
+// to the decode step's folded norm (gemv_int4_norm) of the same row.
 cudaError_t rmsnorm(half* out, const float* hidden, const half* weight, int T, int H, float eps,
                     cudaStream_t stream);
 

@@ -11,6 +11,11 @@ A/B measurements (README, "measurement switches"; the numbers are in benchmarks/
                                copy), prompt chunks of at most n tokens go
                                through gemm_int4 on the INT4 weights instead;
                                n = 0 (never) .. 2048, default INT4_MAX_M_DEFAULT
+    NANOQWEN_NORM_FOLD=0|1     the decode step's RMSNorms: 1 folded into the     backends/cuda.py
+                               GEMVs around them (the residual GEMVs write the
+                               sum of squares in parts, the qkv and gate/up
+                               GEMVs form the normed x themselves), 0 rmsnorm
+                               launches; default NORM_FOLD_DEFAULT
     NANOQWEN_PREFILL_ATTN_MAX=n  prompt chunks whose context ends at most n      backends/cuda.py
                                positions in take the paged prefill attention
                                kernel, longer ones SDPA over gathered K/V;
@@ -48,6 +53,10 @@ ATTN_TMA = "NANOQWEN_ATTN_TMA"
 # 2.811 against 2.705 / 3.104 ms/token, and compute-sanitizer clean (benchmarks/RESULTS.md,
 # session 20); 0 measures the cp.async kernel
 ATTN_TMA_DEFAULT = True
+NORM_FOLD = "NANOQWEN_NORM_FOLD"
+# on: the rmsnorm launches of the layers go (2 a layer); what they cost against what the fold
+# adds to the qkv and gate/up GEMVs is measured in benchmarks/RESULTS.md, session 34
+NORM_FOLD_DEFAULT = True
 # switches that existed and were removed: variable -> why (read_switches refuses them when set)
 REMOVED = {
     "NANOQWEN_FUSE_NORM": "the fused-norm GEMVs it selected decoded at 1.93 ms/token against 1.89 "
@@ -91,6 +100,7 @@ class Switches:
     attn_tma: bool = ATTN_TMA_DEFAULT         # NANOQWEN_ATTN_TMA
     int4_max_m: int = INT4_MAX_M_DEFAULT      # NANOQWEN_INT4_MAX_M
     prefill_attn_max: int = PREFILL_ATTN_MAX_DEFAULT  # NANOQWEN_PREFILL_ATTN_MAX
+    norm_fold: bool = NORM_FOLD_DEFAULT       # NANOQWEN_NORM_FOLD
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -129,4 +139,5 @@ def read_switches(env: Mapping[str, str] | None = None) -> Switches:
                     int4_max_m=_count(env, INT4_MAX_M, INT4_MAX_M_DEFAULT, 0, INT4_MAX_M_MAX,
                                       "prompt tokens"),
                     prefill_attn_max=_count(env, PREFILL_ATTN_MAX, PREFILL_ATTN_MAX_DEFAULT, 0,
-                                            PREFILL_ATTN_MAX_MAX, "positions"))
+                                            PREFILL_ATTN_MAX_MAX, "positions"),
+                    norm_fold=_flag(env, NORM_FOLD, NORM_FOLD_DEFAULT))

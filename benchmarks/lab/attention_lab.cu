@@ -24,8 +24,9 @@
 // out = sum acc_s 2^(m_s-M) / L.
 #include <math_constants.h>
 
-#include "common.cuh"  // csrc/: PDL, warp_sum, launch_pdl, kMaxGqa, kPageSize, the error convention
+#include "common.cuh"  // csrc/: PDL, launch_pdl, kMaxGqa, kPageSize, the error convention
 #include "lab.h"
+#include "lab_common.cuh"  // warp_sum
 
 namespace nanoqwen {
 namespace {

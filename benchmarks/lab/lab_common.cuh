@@ -5,6 +5,27 @@
 
 #include "common.cuh"
 
+namespace nanoqwen {
+// Warp-wide and block-wide fp32 sums (left csrc/common.cuh with the step's rmsnorm, whose sum of
+// squares is now common.cuh's fixed order). block_sum: `scratch` holds >= 32 floats; every
+// thread of the block calls it (block barriers), never inside a warp-id branch.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float r = lane < nwarps ? scratch[lane] : 0.f;
+  return warp_sum(r);
+}
+}  // namespace nanoqwen
+
 namespace lab {
 
 // SM count of the current device (host; cached per device; not a stream operation, so legal

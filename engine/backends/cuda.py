@@ -353,7 +353,8 @@ class CudaBackend(Backend):
                 self.switches.int4_max_m,  # dequant weights: chunks this short via gemm_int4
                 self.attn_min_pps, self.num_splits, mode, PREFILL_CHUNK,
                 int(self.switches.attn_tma),  # csrc kAttnTma = 1, kAttnCpAsync = 0
-                self.switches.prefill_attn_max]  # chunks ending at most here: attention_prefill
+                self.switches.prefill_attn_max,  # chunks ending at most here: attention_prefill
+                int(self.switches.norm_fold)]  # the decode step's norms folded into its GEMVs
         return globals_, layers, dense, ints
 
     def _make_core(self) -> None:

@@ -155,6 +155,39 @@ def test_attn_tma_switch_reaches_the_step(monkeypatch, tma):
         torch.cuda.empty_cache()
 
 
+def test_norm_fold_switch_changes_no_bit(monkeypatch):
+    """NANOQWEN_NORM_FOLD (the engine's ints[13]): the decode step's norms folded into its GEMVs
+    (1, the default) or launched as rmsnorm (0) compute the same numbers in the same order
+    (csrc/common.cuh), so teacher-forced logits are equal bit for bit, graph and eager, and so
+    are greedy and sampled generations; each also agrees with the fp32 oracle."""
+    out = {}
+    for fold in ("1", "0"):
+        monkeypatch.setenv("NANOQWEN_NORM_FOLD", fold)
+        ref, cuda = make_pair(helpers.TINY_UNTIED)
+        try:
+            assert cuda.switches.norm_fold is (fold == "1")
+            check_teacher_forced(ref, cuda)
+            g = torch.Generator().manual_seed(5)
+            tokens = torch.randint(0, cuda.config.vocab_size, (70,), generator=g).tolist()
+            for mode in ("graph", "eager"):
+                cuda.mode = mode
+                out[fold, mode, "logits"] = teacher_forced(cuda, tokens, 23)
+                for name, params in (("greedy", GREEDY),
+                                     ("sampled", SamplerParams(temperature=0.9, top_k=40,
+                                                               top_p=0.95, repeat_penalty=1.1,
+                                                               seed=7))):
+                    cuda.truncate(0)
+                    out[fold, mode, name] = gen_tokens(cuda, list(range(3, 40)), params, n=60)
+        finally:
+            del ref, cuda
+            torch.cuda.empty_cache()
+    for mode in ("graph", "eager"):
+        assert torch.equal(out["1", mode, "logits"], out["0", mode, "logits"])
+        for name in ("greedy", "sampled"):
+            assert out["1", mode, name] == out["0", mode, name]
+    assert out["1", "graph", "greedy"] == out["1", "eager", "greedy"]
+
+
 def gen_tokens(backend, prompt, params=GREEDY, n=64, **kw):
     return [e.token_id for e in backend.generate(prompt, params, n, **kw)]
 
@@ -474,10 +507,12 @@ def test_engine_core_rejects_bad_tensors(untied):
         Engine(g, layer[:-1], dense, ints, 1e-6, s)
     with pytest.raises(RuntimeError, match="a dense matrix has shape"):
         Engine(g, layer, dense[::-1], ints, 1e-6, s)
-    with pytest.raises(RuntimeError, match="ints has 12 values, expected 13"):
+    with pytest.raises(RuntimeError, match="ints has 13 values, expected 14"):
         Engine(g, layer, dense, ints[:-1], 1e-6, s)
     with pytest.raises(RuntimeError, match="prefill_attn_max=-1 must be >= 0"):
-        Engine(g, layer, dense, ints[:-1] + [-1], 1e-6, s)
+        Engine(g, layer, dense, ints[:-2] + [-1, 1], 1e-6, s)
+    with pytest.raises(RuntimeError, match="norm_fold=2 must be 0 or 1"):
+        Engine(g, layer, dense, ints[:-1] + [2], 1e-6, s)
     core = cuda.core
     prompt = list(range(3, 20))
     cuda.truncate(0)
