@@ -67,9 +67,6 @@ class NgramDrafter(_Drafter):
             raise ValueError(f"n-gram sizes {min_n}..{max_n}: need 1 <= min_n <= max_n")
         super().__init__(k_start, k_min, k_max)
         self.max_n, self.min_n = max_n, min_n
-        # will_draft() is "the last min_n ids occurred before": a plain run on the device can
-        # watch for that itself (Backend._plain_run's watch_n)
-        self.watch_n = min_n
         self.tokens: list[int] = []
         # _last[n]: n-gram key -> end position of its latest occurrence; _prev[n]: for the
         # n-gram ending at the last position, the end of its previous occurrence (-1: none, or
@@ -100,10 +97,17 @@ class NgramDrafter(_Drafter):
                 self._prev[n] = d.get(key, -1)
                 d[key] = i
 
+    @property
+    def watch_n(self) -> int:
+        """will_draft() is "the last min_n ids occurred before": a plain run on the device
+        watches for that itself (Backend._plain_run)."""
+        return self.min_n
+
     def will_draft(self) -> bool:
         """Whether draft() would propose anything now (room permitting): some n-gram of
-        min_n..max_n tokens ending at the last position occurred before."""
-        return any(self._prev[n] >= 0 for n in range(self.min_n, self.max_n + 1))
+        min_n..max_n tokens ending at the last position occurred before -- exactly when its
+        last min_n tokens did (a longer n-gram's earlier occurrence ends in one of them)."""
+        return self._prev[self.min_n] >= 0
 
     def draft(self, limit: int | None = None) -> list[int]:
         """Up to min(k, limit) tokens that followed the longest matching earlier n-gram, or []."""
@@ -131,11 +135,12 @@ class ModelDrafter(_Drafter):
     distribution exact; a draft whose context no longer fits the draft model's cache is not
     made. The interface is NgramDrafter's (extend, draft, and _Drafter's update)."""
 
+    watch_n = 0   # will_draft() is not an n-gram's repeat: no device watch
+
     def __init__(self, draft, tokens: Sequence[int] = (), target_vocab: int | None = None,
                  k_start: int = K_START, k_min: int = K_MIN, k_max: int = K_MAX) -> None:
         super().__init__(k_start, k_min, k_max)
         self.backend = draft
-        self.watch_n = 0   # will_draft() is not an n-gram's repeat
         self.tokens: list[int] = [int(t) for t in tokens]
         # ids both models have rows for (the same tokenizer, embeddings padded differently)
         self._vocab = min(draft.config.vocab_size, target_vocab or draft.config.vocab_size)
@@ -147,14 +152,18 @@ class ModelDrafter(_Drafter):
         """Whether draft() would draft now (room permitting): the context and k ids fit the
         draft model's cache. (An id past its vocabulary, which draft() also refuses, is not
         looked for here: the caller then finds no draft and asks again after the next id.)"""
-        return bool(self.tokens) and len(self.tokens) + self.k - 1 <= self.backend.max_context
+        return self._fits(self.k)
+
+    def _fits(self, k: int) -> bool:
+        """A context and k drafted ids fit the draft model's cache."""
+        return k > 0 and bool(self.tokens) and len(self.tokens) + k - 1 <= self.backend.max_context
 
     def draft(self, limit: int | None = None) -> list[int]:
         from .sampling import SamplerParams
 
         k = self.k if limit is None else min(self.k, limit)
         be, ctx, vocab = self.backend, self.tokens, self._vocab
-        if k <= 0 or not ctx or len(ctx) + k - 1 > be.max_context:
+        if not self._fits(k):
             return []
         keep = 0
         for a, b in zip(be.kv_tokens, ctx):

@@ -409,3 +409,15 @@ def test_a_plain_run_halts_on_the_device_where_the_drafter_matches(bundled, mode
             assert be.kv_tokens == ids + got[:-1] and be.cache.length == len(be.kv_tokens)
     finally:
         be.mode = "graph"
+
+
+def test_a_plain_runs_watch_is_checked_before_anything_runs(bundled):
+    """advance_step reads the watch's n from 8 bits (bit 8 is the first run's flag): a watch
+    outside 0..255 is refused before the turn starts, and the cache is untouched."""
+    be = bundled.backend
+    be.truncate(0)
+    before = list(be.kv_tokens)
+    for bad in (-1, 256, 1000):
+        with pytest.raises(ValueError, match=f"watch_n={bad}: the device watches 0..255 ids"):
+            be._plain_run([5, 6, 7], GREEDY, 8, frozenset(), None, lambda t: False, 0, bad, True)
+    assert be.kv_tokens == before and be.cache.length == len(before)
