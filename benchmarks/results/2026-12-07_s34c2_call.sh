@@ -8,6 +8,7 @@ source benchmarks/device_prelude.sh
 {
 source benchmarks/device_setup.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+t "test_norm_fold.py (the fixed message test)"; timeout 100 python3 -m pytest tests/gpu/test_norm_fold.py -q --tb=short -p no:cacheprovider 2>&1 | tail -3
 for m in 0.5b 7b; do
   for f in 1 0; do
     t "bench_step $m fold $f"
