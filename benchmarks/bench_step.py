@@ -88,7 +88,7 @@ def main() -> None:
                 layers[i % nl].qkv_sc, layers[i % nl].qkv_b)),
             attention,
             ("gemv_int4_residual o (parts)", nl, lambda i: o.gemv_int4_residual(
-                be.hidden, be.attn, layers[i % nl].o_qw, layers[i % nl].o_sc, parts)),
+                be.hidden, be.attn.view(1, -1), layers[i % nl].o_qw, layers[i % nl].o_sc, parts)),
             ("gemv_int4_silu_mul_norm", nl, lambda i: o.gemv_int4_silu_mul_norm(
                 be.act, be.hidden[0], parts, layers[i % nl].ln2, eps, layers[i % nl].gate_qw,
                 layers[i % nl].gate_sc, layers[i % nl].up_qw, layers[i % nl].up_sc)),
@@ -104,7 +104,7 @@ def main() -> None:
                 be.qkv, xn, layers[i % nl].qkv_qw, layers[i % nl].qkv_sc, layers[i % nl].qkv_b)),
             attention,
             ("gemv_int4_residual o", nl, lambda i: o.gemv_int4_residual(
-                be.hidden, be.attn, layers[i % nl].o_qw, layers[i % nl].o_sc)),
+                be.hidden, be.attn.view(1, -1), layers[i % nl].o_qw, layers[i % nl].o_sc)),
             ("gemv_int4_silu_mul", nl, lambda i: o.gemv_int4_silu_mul(
                 be.act, xn, layers[i % nl].gate_qw, layers[i % nl].gate_sc, layers[i % nl].up_qw,
                 layers[i % nl].up_sc)),

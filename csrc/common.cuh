@@ -171,11 +171,18 @@ __device__ __forceinline__ float sq_part16_lanes(float h) {
   for (int o = 8; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
-// The fold of np parts (global or shared memory), by one whole warp; every lane gets r.
+// The fold of np <= 512 parts (H <= 8192; global or shared memory), by one whole warp; every
+// lane gets r. A lane's loads all go out before its adds (a part past np reads as 0: v + 0 = v).
+constexpr int kNormMaxParts = 512;
 __device__ __forceinline__ float norm_fold_rs(const float* parts, int np, int H, float eps) {
   const int lane = threadIdx.x & 31;
+  float pv[kNormMaxParts / 32];
+#pragma unroll
+  for (int u = 0; u < kNormMaxParts / 32; ++u)
+    pv[u] = lane + 32 * u < np ? parts[lane + 32 * u] : 0.f;
   float v = 0.f;
-  for (int j = lane; j < np; j += 32) v = __fadd_rn(v, parts[j]);
+#pragma unroll
+  for (int u = 0; u < kNormMaxParts / 32; ++u) v = __fadd_rn(v, pv[u]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
   return rsqrtf(__fadd_rn(__fdiv_rn(v, (float)H), eps));

@@ -319,15 +319,29 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
   griddep_launch_dependents();
   if constexpr (NT == 0) {  // stage this warp's x: 16 pieces per group, piece p = 4t + j stored at 4j + t
     const int p = lane & 15;
-    if (a.hid) {  // the folded norm: piece = half(ln * (hid * r)), 8 entries, rmsnorm's numbers
+    bool norm = false;
+    if constexpr (OP != OP_RESID) norm = a.hid != nullptr;  // o/down never norm their x
+    if (norm) {  // the folded norm: piece = half(ln * (hid * r)), 8 entries, rmsnorm's numbers
       const float4* h4 = reinterpret_cast<const float4*>(a.hid);
       const uint4* w4 = reinterpret_cast<const uint4*>(a.ln);
+      // the first kNormBatch pieces' loads go out before the fold's (whose adds wait on its
+      // loads), so the two L2 round trips overlap; the rest after (bench_step at 7B: the fold
+      // with its loads in a dependent chain cost qkv +2.7 us, RESULTS.md session 34)
+      constexpr int kNormBatch = 4;
+      float4 hb[kNormBatch][2];
+      uint4 wb[kNormBatch];
+      const int i0 = lane >> 4;
+#pragma unroll
+      for (int u = 0; u < kNormBatch; ++u) {
+        const int i = i0 + 2 * u, pi = (gb + i) * 16 + p;
+        if (i < cnt) {
+          hb[u][0] = __ldg(h4 + 2 * pi);
+          hb[u][1] = __ldg(h4 + 2 * pi + 1);
+          wb[u] = __ldg(w4 + pi);
+        }
+      }
       const float r = norm_fold_rs(a.parts, a.k >> 4, a.k, a.eps);
-#pragma unroll 2
-      for (int i = lane >> 4; i < cnt; i += 2) {
-        const int pi = (gb + i) * 16 + p;
-        const float4 h0 = __ldg(h4 + 2 * pi), h1 = __ldg(h4 + 2 * pi + 1);
-        const uint4 wv = __ldg(w4 + pi);
+      auto put = [&](int i, const float4& h0, const float4& h1, const uint4& wv) {
         const half* w8 = reinterpret_cast<const half*>(&wv);
         const float hv[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
         uint4 xv;
@@ -335,6 +349,14 @@ __global__ void __launch_bounds__(KS * 32, KS >= 16 ? 1 : 16 / KS) gemv_int4_tca
 #pragma unroll
         for (int q = 0; q < 8; ++q) x8[q] = norm_entry(hv[q], r, __half2float(w8[q]));
         xs[(gb + i) * 16 + (p & 3) * 4 + (p >> 2)] = xv;
+      };
+#pragma unroll
+      for (int u = 0; u < kNormBatch; ++u)
+        if (i0 + 2 * u < cnt) put(i0 + 2 * u, hb[u][0], hb[u][1], wb[u]);
+#pragma unroll 2
+      for (int i = i0 + 2 * kNormBatch; i < cnt; i += 2) {
+        const int pi = (gb + i) * 16 + p;
+        put(i, __ldg(h4 + 2 * pi), __ldg(h4 + 2 * pi + 1), __ldg(w4 + pi));
       }
     } else {
       const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
