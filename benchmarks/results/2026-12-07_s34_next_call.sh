@@ -27,7 +27,7 @@ for p in 2 4 8 16 2; do
 done
 # (5) attempts/attn-one-split.patch (a kv head with one active split writes out itself, no ws
 # round trip; bit for bit the merge's result): its tests, then the 0.5B sweep again
-git apply benchmarks/attempts/attn-one-split.patch && t "build (one-split patch)" && timeout 200 python3 -c "
+patch -p1 -s < benchmarks/attempts/attn-one-split.patch && t "build (one-split patch)" && timeout 200 python3 -c "
 from nanoqwen.engine.build import load_extension; print(load_extension())" 2>&1 | tail -3
 t "test_attention_fused.py + test_verify.py (patch)"
 timeout 200 python3 -m pytest tests/gpu/test_attention_fused.py tests/gpu/test_verify.py -q --tb=short -p no:cacheprovider 2>&1 | tail -5
@@ -35,7 +35,7 @@ t "bench_attention, 0.5B shapes (patch)"
 timeout 120 python3 benchmarks/bench_attention.py --heads 14 --kv-heads 2 --head-dim 64 --layers 24 \
   --contexts 512,2048 --sweep 66:2:1,66:8:1,66:16:1,66:32:1,66:128:1 \
   --json "$R/attn_0.5b_pps_one-split.json" 2>&1 | tail -12
-git apply -R benchmarks/attempts/attn-one-split.patch
+patch -R -p1 -s < benchmarks/attempts/attn-one-split.patch
 t "done"
 } 2>&1 | tee "$OUT/next_$C.log"
 tar -C "$R" -czf "$OUT/next_$C.tgz" . && rm -rf "$R"
