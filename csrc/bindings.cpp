@@ -797,7 +797,7 @@ class Engine : public torch::CustomClassHolder {
   //   weights), prefill_chunk, attention kernel (kAttnCpAsync / kAttnTma), prefill_attn_max
   //   (prompt chunks whose context ends at most this many positions in take attention_prefill,
   //   longer ones SDPA over gathered K/V; 0: always SDPA), norm_fold (1: the decode step's norms
-//   folded into the GEMVs, its parts buffer owned here; 0: rmsnorm launches)
+  //   folded into the GEMVs, its parts buffer owned here; 0: rmsnorm launches)
   Engine(std::vector<Tensor> globals, std::vector<Tensor> layers, std::vector<Tensor> dense,
          std::vector<int64_t> ints, double eps, int64_t stream_ptr)
       : g_(std::move(globals)), l_(std::move(layers)), d_(std::move(dense)) {

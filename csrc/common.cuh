@@ -141,14 +141,14 @@ __device__ __forceinline__ void rope_pair(float a, float b, float c, float s, ha
 }
 
 // ---- RMSNorm's sum of squares, in ONE order everywhere ---------------------------------------
-// The decode step folds its norms into neighbours (engine.cu, NormFold): the residual GEMVs that
-// update hidden (and the embedding gather) each write, per 16 consecutive entries of the row, a
-// partial sum of squares ("part" b = entries 16b .. 16b+15), and the GEMVs after the norm fold
-// the H/16 parts into the row's sum and form x = w * (h * r) themselves. rmsnorm_kernel (the
-// verify step, the prefill, the final norm) computes the same parts and the same fold, so a row
-// normed either way is bit-identical: a verified token sees a decode step's numbers. Every
-// operation is an explicit _rn (no contraction into FMAs), so torch can replay the order
-// exactly (tests/gpu/test_norm_fold.py):
+// The decode step folds its norms into neighbours (engine.cu launch_step, StepArgs::norm_fold):
+// the residual GEMVs that update hidden (and the embedding gather) each write, per 16
+// consecutive entries of the row, a partial sum of squares ("part" b = entries 16b .. 16b+15),
+// and the GEMVs after the norm fold the H/16 parts into the row's sum and form x = w * (h * r)
+// themselves. rmsnorm_kernel (the verify step, the prefill, the final norm) computes the same
+// parts and the same fold, so a row normed either way is bit-identical: a verified token sees a
+// decode step's numbers. Every operation is an explicit _rn (no contraction into FMAs), so
+// torch can replay the order exactly (tests/gpu/test_norm_fold.py):
 //   part  = tree over the 16 squares: a_i = s_i + s_{i+8}, b_i = a_i + a_{i+4}, c_i = b_i +
 //           b_{i+2}, part = c_0 + c_1 (s_i = h_i * h_i)  -- a 16-lane xor butterfly's lane 0;
 //   fold  = lane l sums parts l, l+32, ... in order from 0, then a 32-lane xor butterfly

@@ -6,8 +6,11 @@
 // below) by op and k; a shape the chosen instance cannot run is refused with n and k in the
 // message -- there is no fallback kernel. The alternatives it was measured against (v2 CUDA-core
 // warp-per-row, v3 tensor cores with register-held loads, v4 persistent streaming, the DQ_CORR
-// dequant, the L2 prefetch hint, x read from L1, the RMSNorm fused into the prologue) are in
-// benchmarks/lab/gemv_int4_lab.cu with their figures in benchmarks/GEMV_NOTES.md.
+// dequant, the L2 prefetch hint, x read from L1, the RMSNorm recomputed in every block's
+// prologue) are in benchmarks/lab/gemv_int4_lab.cu with their figures in benchmarks/GEMV_NOTES.md.
+// The decode step's norm is folded differently here: the residual instance writes the sum of
+// squares in parts, and the one-column qkv and gate/up instances form x from them (Args::hid,
+// common.cuh's order; GEMV_NOTES.md, session 34).
 //
 // Layout: see gemv.h / engine/quant.py. A 16-byte load of a row (a "chunk") holds 32 consecutive
 // inputs, words j = 0..3 covering k = 32c + 8j .. +7; with the interleaved nibble order
