@@ -232,7 +232,7 @@ class Backend:
         params, seed = sampler.params, sampler.seed   # (the resolved seed: -1 drew one)
         n_runs = 0
 
-        watch_n = getattr(drafter, "watch_n", 0)   # where until() is an n-gram's repeat
+        watch_n = drafter.watch_n   # > 0 where until() is an n-gram's repeat
 
         def until(token: int) -> bool:   # a plain run's sampled id: does a draft start here?
             drafter.extend((token,))
