@@ -30,7 +30,8 @@ REPO = LAB.parent.parent
 CSRC = REPO / "csrc"
 # the sources that include a csrc/ .cu whole (its external launchers with it) build alone
 # (compile_alone, by their scripts): two of them in one library define those launchers twice
-ALONE = {"gemm_int4_shapes.cu", "gemm_w4_wgmma.cu", "lm_head_cols_lab.cu"}
+ALONE = {"gemm_int4_shapes.cu", "gemm_w4_wgmma.cu", "lm_head_cols_lab.cu",
+         "gemv_int4_family_lab.cu"}
 SOURCES = sorted(p for p in LAB.glob("*.cu") if p.name not in ALONE)
 HEADERS = sorted(LAB.glob("*.h")) + sorted(LAB.glob("*.cuh")) + [CSRC / "common.cuh",
                                                                  CSRC / "kernels.h"]

@@ -6,7 +6,7 @@
 # num_splits as the engine sizes them with the TMA kernel (66 at the 0.5B's 2 kv heads, 33 at
 # the 7B's 4), min_pps 1..32, contexts 512 and 2048; then (4) the 0.5B preset end to end at the
 # sweep's best min_pps against the default (NANOQWEN_ATTN_MIN_PPS; no code change); (5) the
-# one-split patch's tests and sweep.
+# one-split patch's tests and sweep. Added before it ran: lab/gemv_int4_family.py after (2).
 source benchmarks/device_prelude.sh
 {
 TESTS=0 PRESETS="0.5b 1.5b 3b 7b 14b 32b" bash benchmarks/verify_presets_gpu.sh 2>&1 | tail -12
@@ -14,6 +14,8 @@ export PYTHONPATH=/tmp/site; mkdir -p "$R"   # verify_presets_gpu.sh tarred and 
 t "bench_verify 7b"
 timeout 150 python3 benchmarks/bench_verify.py --preset 7b --reps 10 --json "$R/bench_verify_7b.json" \
   2>&1 | grep -E "decode step|^ ?[1-8] |^16 " | head -10
+t "lab/gemv_int4_family.py (the INT4 GEMV instances at every preset's shapes)"
+timeout 200 python3 benchmarks/lab/gemv_int4_family.py --json "$R/gemv_int4_family.json" 2>&1 | tail -30
 t "bench_attention, 0.5B shapes"
 timeout 120 python3 benchmarks/bench_attention.py --heads 14 --kv-heads 2 --head-dim 64 --layers 24 \
   --contexts 512,2048 --sweep 66:1:1,66:2:1,66:4:1,66:8:1,66:16:1,66:32:1 \
