@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Session 35 call 1 (asks for an H200: issue 12 item 2 and issue 13 item 3 name it; carry .whl).
-# Session 34's ready call (2026-12-07_s34_next_call.sh) cut to fit one call with tests/gpu, the
+# Session 34's ready call (2026-12-07_s34_next_call.sh) reordered to fit one call, the
 # device being scarce (eight refused starts before this; the csrc change of f2100cb was backed
 # out, so the product is the one tests/gpu passed on in session 34 and no tests run here):
 # (1) issue 12's table with the folded norms, every
 # preset, (2) lab/gemv_int4_family.py (the INT4 decode GEMV's instances at every preset's shapes),
 # (3) decode attention's split sizing at the 0.5B's and the 7B's shapes (min_pps 1..32, contexts
 # 512 and 2048), (4) the 0.5B preset end to end at min_pps 2/4/8/16/2 (NANOQWEN_ATTN_MIN_PPS),
-# (5) bench_verify 7B if time is left. The one-split patch waits for the sweep's answer.
+# (5) bench_verify 7B, (6) the one-split patch's test and sweep, as far as time allows.
 source benchmarks/device_prelude.sh
 {
 source benchmarks/device_setup.sh
