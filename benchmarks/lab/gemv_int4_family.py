@@ -40,7 +40,7 @@ def build() -> ctypes.CDLL:
     lib = compile_alone("gemv_int4_family_lab.cu")
     P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.family_count.restype = I
-    lib.family_shape.argtypes = [I, P]
+    lib.family_shape.argtypes = [I, ctypes.POINTER(I)]
     lib.family_launch.argtypes = [I, P, P, P, P, P, P, P, I, I, P, P, P, F, P, P]
     lib.family_launch.restype = I
     return lib
