@@ -6,7 +6,11 @@
 // gemv_int4_family.py, which times each at every family preset's shapes against the product's
 // torch op. kInt4Table was chosen at the 7B's shapes (GEMV_NOTES.md runs 7-8); its rows are keyed
 // by k only, so the 0.5B's down_proj (k = 4864) runs o_proj's 4-warp instance, and every small
-// preset's GEMV runs a 7B-tuned one. Nothing in the engine links this.
+// preset's GEMV runs a 7B-tuned one. The S-1 first ring stages are copied before griddep_wait
+// (PDL), so a warp whose slice fits S-1 stages has all its weights on the way before the kernel
+// before it ends: the small presets' slices do at more warps (KS) or deeper rings (S), at the
+// cost of shared memory, which may keep the next kernel's blocks off the SM. Nothing in the
+// engine links this.
 #include "gemv_int4.cu"
 
 namespace nanoqwen {
@@ -25,12 +29,13 @@ constexpr FamilyVariant fv() {
 
 constexpr FamilyVariant kFamily[] = {
     fv<OP_STORE, 2, 4, 2>(), fv<OP_STORE, 4, 4, 2>(), fv<OP_STORE, 8, 4, 2>(),
-    fv<OP_STORE, 4, 4, 1>(), fv<OP_STORE, 8, 4, 1>(),
+    fv<OP_STORE, 4, 4, 1>(), fv<OP_STORE, 8, 4, 1>(), fv<OP_STORE, 4, 6, 2>(),
     fv<OP_RESID, 2, 4, 2>(), fv<OP_RESID, 4, 4, 2>(), fv<OP_RESID, 8, 4, 2>(),
     fv<OP_RESID, 16, 4, 2>(), fv<OP_RESID, 8, 4, 1>(), fv<OP_RESID, 16, 4, 1>(),
-    fv<OP_RESID, 16, 2, 2>(),
+    fv<OP_RESID, 16, 2, 2>(), fv<OP_RESID, 4, 8, 2>(), fv<OP_RESID, 8, 6, 2>(),
     fv<OP_SILU, 1, 4, 2>(), fv<OP_SILU, 2, 4, 2>(), fv<OP_SILU, 4, 4, 2>(),
     fv<OP_SILU, 8, 4, 2>(), fv<OP_SILU, 4, 4, 1>(), fv<OP_SILU, 8, 4, 1>(),
+    fv<OP_SILU, 2, 6, 2>(),
 };
 constexpr int kFamilyCount = sizeof(kFamily) / sizeof(kFamily[0]);
 
