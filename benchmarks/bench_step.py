@@ -14,8 +14,10 @@ prefill so attention reads a real cache. Per-op figures include each launch's ow
 inside a graph, so their sum can exceed the step (no overlap between kernels of one token).
 A second table times sample_token per sampler setting (greedy, the app default, top-k off with
 top-p / min-p, large top-k), as the engine launches it and in one block, on the model's logits
-and on a peaked row (bench_sampler); --sampler-only prints that table alone, --json FILE
-writes its rows (with date, device and commit).
+and on a peaked row (bench_sampler); --sampler-only prints that table alone. --json FILE writes
+both tables' rows (with date, device and commit): "ops" (name, us per launch, launches a token,
+us a token, and the sum and the whole step), "rows" (the sampler's); --sampler-only writes
+"rows" alone.
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ def main() -> None:
     print("| op | us/launch | per token | us/token |")
     print("| --- | --- | --- | --- |")
     total = 0.0
+    ops = []
     with torch.inference_mode():
         for name, count, fn in rows + other:
             us = time_graph(fn)
@@ -125,6 +128,7 @@ def main() -> None:
             if not name.startswith("(alt"):
                 total += us * count
             print(f"| {name} | {us:.2f} | {count} | {us * count:.1f} |")
+            ops.append(dict(op=name, us_per_launch=us, per_token=count, us_per_token=us * count))
         # the whole captured step (it advances pos; reset it before every replay); a fresh
         # turn first, so the halt-gated graph runs its body
         be.core.begin_turn([])
@@ -138,12 +142,16 @@ def main() -> None:
                 e.record(be.stream)
             e.synchronize()
             times.append(s.elapsed_time(e) * 1e3)
+    step_us = statistics.median(times)
     print(f"| sum of ops | | | {total:.1f} |")
-    print(f"| whole step (graph replay) | | | {statistics.median(times):.1f} |")
+    print(f"| whole step (graph replay) | | | {step_us:.1f} |")
     print(f"weights per token {cfg.decode_bytes_per_token() / 1e9:.2f} GB -> floor "
           f"{cfg.decode_bytes_per_token() / 4276e9 * 1e6:.0f} us at 4276 GB/s")
+    step = dict(preset=a.preset, context=a.context, norm_fold=bool(be.switches.norm_fold),
+                pdl=os.environ.get("NANOQWEN_PDL") != "0", ops=ops, sum_of_ops_us=total,
+                whole_step_us=step_us, weights_gb=cfg.decode_bytes_per_token() / 1e9)
     with torch.inference_mode():
-        bench_sampler(be, o, a.json)
+        bench_sampler(be, o, a.json, step)
 
 
 def alternatives(be, q, eps) -> list:
@@ -193,14 +201,15 @@ def alternatives(be, q, eps) -> list:
     ]
 
 
-def bench_sampler(be, o, json_path: str | None = None) -> None:
+def bench_sampler(be, o, json_path: str | None = None, step: dict | None = None) -> None:
     """sample_token alone (graph of 50 launches, median of 7 replays) per sampler setting, on
     the synthetic model's logits (random weights; "kept" shows how peaked they are) and on a
     peaked row like a real model's (50 tokens 14 nats above a 2-sigma bulk), as the engine
     launches it (the automatic cluster), as a cluster of 8 and in one block ("blocks" 1: the
     same code over the whole vocabulary read from L2, which is what one block streaming 152064
     logits costs).
-    "kept" is the reference sampler's kept-set size."""
+    "kept" is the reference sampler's kept-set size. json_path: the table's rows, with the
+    step's op table (`step`, from main) where given."""
     import json
     import time
 
@@ -248,9 +257,10 @@ def bench_sampler(be, o, json_path: str | None = None) -> None:
     be.params_i.copy_(saved[1])
     if json_path:
         with open(json_path, "w") as f:
-            json.dump(dict(bench="bench_step sample_token", vocab=V,
+            json.dump(dict(bench="bench_step" if step else "bench_step sample_token", vocab=V,
                            device=torch.cuda.get_device_name(), commit=_commit(),
-                           date=time.strftime("%Y-%m-%d"), rows=table), f, indent=2)
+                           date=time.strftime("%Y-%m-%d"), **(step or {}), rows=table),
+                      f, indent=2)
 
 
 if __name__ == "__main__":
