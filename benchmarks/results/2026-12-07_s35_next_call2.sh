@@ -2,8 +2,9 @@
 # Ready for session 36, after 2026-12-07_s35c1_call.sh (carry .whl; any one-GPU kind, the A/B is
 # within the call): attempts/gemv-0.5b-down-k8.patch (the 0.5B's down_proj on 8 warps, every
 # ring stage copied before griddep_wait; RESULTS.md session 35 says why) against the product,
-# end to end. The 0.5B graph bench twice each, alternating, then the patch's GEMV tests, then
-# all of tests/gpu on the patched tree (for landing it if it wins; FULL=0 skips them).
+# end to end. The 0.5B bench (graph, eager) twice each, alternating, bench_step on both, then
+# all of tests/gpu on the patched tree (for landing it if it wins; FULL=0 skips them), with 4
+# pytest-xdist workers first and serially if that fails.
 source benchmarks/device_prelude.sh
 {
 source benchmarks/device_setup.sh
