@@ -64,12 +64,13 @@ struct Args {
   // The decode step's folded norm (one column; common.cuh): non-null `hid`, the consumer forms
   // x = rmsnorm(hid) itself from hid [k] fp32, its k/16 sum-of-squares parts and the norm weight
   // ln [k] (x is then unused); non-null `parts_out`, OP_RESID writes the parts of what it adds
-  // (block b, rows 16b..16b+15: n/16 parts).
-  const float* hid;
-  const float* parts;
-  const half* ln;
-  float eps;
-  float* parts_out;
+  // (block b, rows 16b..16b+15: n/16 parts). An initializer that stops before them leaves them
+  // null: no norm, no parts.
+  const float* hid = nullptr;
+  const float* parts = nullptr;
+  const half* ln = nullptr;
+  float eps = 0.f;
+  float* parts_out = nullptr;
 };
 
 // One group of one 16-row tile: va / vb = lane t's 16-byte chunk of rows g / g+8, xv its x
@@ -633,9 +634,7 @@ cudaError_t gemv_int4(half* y, const half* x, const uint32_t* qweight, const hal
                       const half* bias, int n, int k, int cols, cudaStream_t stream) {
   if (cudaError_t e = check_int4("gemv_int4", y, x, qweight, scales, n, k, cols)) return e;
   return run_int4("gemv_int4", OP_STORE,
-                  Args{y, x, qweight, scales, nullptr, nullptr, bias, n, k, cols, nullptr, nullptr,
-                       nullptr, 0.f, nullptr},
-                  stream);
+                  Args{y, x, qweight, scales, nullptr, nullptr, bias, n, k, cols}, stream);
 }
 
 cudaError_t gemv_int4_residual(float* hidden, const half* x, const uint32_t* qweight,
@@ -643,9 +642,7 @@ cudaError_t gemv_int4_residual(float* hidden, const half* x, const uint32_t* qwe
   if (cudaError_t e = check_int4("gemv_int4_residual", hidden, x, qweight, scales, n, k, cols))
     return e;
   return run_int4("gemv_int4_residual", OP_RESID,
-                  Args{hidden, x, qweight, scales, nullptr, nullptr, nullptr, n, k, cols, nullptr,
-                       nullptr, nullptr, 0.f, nullptr},
-                  stream);
+                  Args{hidden, x, qweight, scales, nullptr, nullptr, nullptr, n, k, cols}, stream);
 }
 
 cudaError_t gemv_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate,
@@ -658,9 +655,7 @@ cudaError_t gemv_int4_silu_mul(half* out, const half* x, const uint32_t* qw_gate
                    "gemv_int4_silu_mul: up matrix qweight=%p (16-byte aligned) and scales=%p must "
                    "be non-null", (const void*)qw_up, (const void*)sc_up);
   return run_int4("gemv_int4_silu_mul", OP_SILU,
-                  Args{out, x, qw_gate, sc_gate, qw_up, sc_up, nullptr, n, k, cols, nullptr,
-                       nullptr, nullptr, 0.f, nullptr},
-                  stream);
+                  Args{out, x, qw_gate, sc_gate, qw_up, sc_up, nullptr, n, k, cols}, stream);
 }
 
 // ---- the decode step's folded norms (one column) --------------------------------------------
@@ -688,7 +683,7 @@ cudaError_t gemv_int4_norm(half* y, const float* hidden, const float* parts, con
     return e;
   return run_int4("gemv_int4_norm", OP_STORE,
                   Args{y, nullptr, qweight, scales, nullptr, nullptr, bias, n, k, 1, hidden, parts,
-                       ln, eps, nullptr},
+                       ln, eps},
                   stream);
 }
 
@@ -705,7 +700,7 @@ cudaError_t gemv_int4_silu_mul_norm(half* out, const float* hidden, const float*
                    "must be non-null", (const void*)qw_up, (const void*)sc_up);
   return run_int4("gemv_int4_silu_mul_norm", OP_SILU,
                   Args{out, nullptr, qw_gate, sc_gate, qw_up, sc_up, nullptr, n, k, 1, hidden,
-                       parts, ln, eps, nullptr},
+                       parts, ln, eps},
                   stream);
 }
 
