@@ -31,8 +31,6 @@ sys.path.insert(0, str(LAB.parent))
 sys.path.insert(0, str(LAB))
 from bench_attention import time_graph  # noqa: E402
 
-OPS = ("qkv", "o/down", "gate/up")
-
 
 def build() -> ctypes.CDLL:
     from lab import compile_alone
@@ -84,12 +82,7 @@ def main(argv=None) -> int:
             bias = (torch.randn(n, generator=gen, device=dev) * 0.1).half()
             x = torch.randn(1, k, generator=gen, device=dev).half()
             hidden0 = torch.randn(1, n, generator=gen, device=dev)
-            if op == 0:
-                out = torch.empty(n, dtype=torch.float16, device=dev)
-            elif op == 1:
-                out = hidden0.clone()
-            else:
-                out = torch.empty(n, dtype=torch.float16, device=dev)
+            out = hidden0.clone() if op == 1 else torch.empty(n, dtype=torch.float16, device=dev)
             pout = torch.zeros((n + 15) // 16, device=dev)
             sp = lambda: ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)  # noqa: E731
 

@@ -65,10 +65,13 @@ int family_launch(int v, void* out, const void* x, const void* qw, const void* s
   if (tca_smem_bytes(k, f.op == OP_SILU ? 2 : 1, f.ks, f.s, f.gps, 0) > kTcaMaxSmemBytes)
     return (int)cudaErrorInvalidValue;
   Args a{out, (const half*)x, (const uint32_t*)qw, (const half*)sc, (const uint32_t*)qw2,
-         (const half*)sc2, (const half*)bias, n, k, 1, hid, parts, (const half*)ln, eps,
-         parts_out};
-  if (f.op == OP_RESID) { a.hid = nullptr; a.parts = nullptr; a.ln = nullptr; }
-  else { a.x = nullptr; a.parts_out = nullptr; }
+         (const half*)sc2, (const half*)bias, n, k, 1};
+  if (f.op == OP_RESID) {
+    a.parts_out = parts_out;
+  } else {  // x is formed from the norm's inputs
+    a.x = nullptr;
+    a.hid = hid; a.parts = parts; a.ln = (const half*)ln; a.eps = eps;
+  }
   return (int)f.fn(a, (cudaStream_t)stream);
 }
 }
