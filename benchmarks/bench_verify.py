@@ -16,6 +16,13 @@ kernel family's GPU time per step (the sum of its launches' durations over --rep
 by --reps; with PDL neighbouring kernels overlap, so the families' sum can exceed the step's
 wall time) and its launches per step; written to the JSON as "kernels".
 
+With --sampled: what a verify step costs speculation with a sampler (the app's defaults,
+SamplerParams()) as the host sees it (wall clock around the call, which ends in a sync), for
+T = 1, 2, 4, 8, 12, 16: the rows drawn on the device (core.verify_sample: the verify step, T
+sample_token launches, T ids back), against the rows brought to the host and drawn there
+(core.verify, .cpu(), T Sampler.sample calls: speculation's path before verify_sample), and the
+greedy path (core.verify, the rows' argmax, T ids back). Written to the JSON as "sampled".
+
 With --acceptance (a bench_spec.py JSON, greedy, prompt lookup): the effective ms per
 generated token at these shapes if each request drafted and kept as measured there. Per
 request: `verify_steps` steps of T = 1 + round(drafted / verify_steps) tokens at t(T), the
@@ -157,6 +164,39 @@ def print_kernels(kernels: dict) -> None:
                                   for n in names))
 
 
+def sampled_rows(be, cfg, context: int, reps: int, gen) -> list[dict]:
+    """--sampled: host wall ms (medians of reps after 3 warm-ups) of a graph verify step at
+    `context` with its rows drawn on the device, drawn on the host, and argmax'd (greedy)."""
+    from nanoqwen.engine.sampling import Sampler, SamplerParams
+
+    core = be.core
+    params = SamplerParams(seed=1)
+    sampler = Sampler(params)
+    _, pf, pi = be._sampler_values(params, 1)
+    history = list(range(1, context + 1))
+
+    def wall(fn) -> float:
+        times = []
+        for _ in range(reps + 3):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times[3:])
+
+    def host(ids):
+        rows = core.verify(ids, context, True).cpu()
+        return [sampler.sample(rows[i], history + ids[:i + 1].tolist()) for i in range(len(ids))]
+
+    out = []
+    for T in (1, 2, 4, 8, 12, 16):
+        ids = torch.randint(0, cfg.vocab_size, (T,), generator=gen, dtype=torch.int32)
+        out.append(dict(
+            k=T, device_ms=wall(lambda: core.verify_sample(ids, context, True, pf, pi)),
+            host_ms=wall(lambda: host(ids)),
+            greedy_ms=wall(lambda: core.verify(ids, context, True).argmax(1).tolist())))
+    return out
+
+
 def main(argv=None) -> int:
     from nanoqwen.engine.backends.cuda import MAX_VERIFY, CudaBackend
     from nanoqwen.engine.bench import _commit
@@ -168,6 +208,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--acceptance", default=None, help="a bench_spec.py --json file")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sampled", action="store_true",
+                    help="the verify step with its rows sampled on the device / on the host")
     ap.add_argument("--kernels", action="store_true",
                     help="each kernel family's GPU time per eager step (torch.profiler)")
     a = ap.parse_args(argv)
@@ -214,6 +256,7 @@ def main(argv=None) -> int:
             rows.append(dict(k=T, ms=t, vs_decode_graph=t / t_graph, eager_ms=te,
                              eager_vs_decode_eager=te / t_eager, ms_per_token=t / T))
         note = core.verify_note()
+        sampled = sampled_rows(be, cfg, a.context, a.reps, gen) if a.sampled else None
         ops_rows = gemv_columns(be, cfg, stream)
         kernels = None
         if a.kernels:
@@ -244,12 +287,17 @@ def main(argv=None) -> int:
                 for r in ops_rows if r["op"] == name))
     if kernels:
         print_kernels(kernels)
+    if sampled:
+        print("sampled rows, host wall ms per verify step (graph; app default sampler):")
+        print(" k   device rows   host rows   greedy (argmax)")
+        for r in sampled:
+            print(f"{r['k']:2d}   {r['device_ms']:11.3f}   {r['host_ms']:9.3f}   {r['greedy_ms']:9.3f}")
     out = dict(bench="bench_verify", preset=cfg.name, context=a.context, reps=a.reps,
                device=torch.cuda.get_device_name(be.device), commit=_commit(),
                date=time.strftime("%Y-%m-%d"), decode_graph_ms=t_graph, decode_eager_ms=t_eager,
                verify_mode="graph (one per k; eager_ms: the same launches from C++)",
                verify_graph_note=note, rows=rows,
-               gemv_columns=ops_rows, kernels=kernels)
+               gemv_columns=ops_rows, kernels=kernels, sampled=sampled)
     if a.acceptance:
         spec = json.load(open(a.acceptance))
         t_of = {r["k"]: r["ms"] for r in rows}

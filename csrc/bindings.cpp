@@ -20,6 +20,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -1251,10 +1252,69 @@ class Engine : public torch::CustomClassHolder {
     NoGil nogil;
     c10::InferenceMode im;
     const c10::cuda::CUDAGuard dg(device_);
+    verify_nogil(ids.data_ptr<int32_t>(), T, pos0, graph);
+    return v_[5].narrow(0, 0, T);
+  }
+
+  // The verify step with its T rows sampled on the device (speculation with a sampler or a
+  // repetition penalty): verify(ids, pos0, graph), then row i sampled by sample_token as the
+  // decode step at position pos0 + i samples it -- the penalty window ctx_tokens[..pos0 + i],
+  // where the verify wrote the ids -- with params_f / params_i (start_turn's form; params_i[3],
+  // the n-gram watch, is not read) and the draw Philox(params_i[2], i). Returns the T ids: no
+  // logits leave the device, and nothing needs the GIL. Speculation keeps draft i iff row i's id
+  // is the draft (Sampler.verify's rule, which keeps the target distribution).
+  std::vector<int64_t> verify_sample(const Tensor& ids, int64_t pos0, bool graph,
+                                     std::vector<double> params_f, std::vector<int64_t> params_i) {
+    const char* op = "verify_sample";
+    const int64_t T = check_ids(op, ids, pos0);
+    NQ_CHECK(T <= nanoqwen::kMaxVerify, op, ": ", T, " tokens, at most ", nanoqwen::kMaxVerify);
+    NQ_CHECK(params_f.size() == 4 && params_i.size() == 4, op, ": params_f and params_i hold 4 ",
+             "values each, got ", (int64_t)params_f.size(), " and ", (int64_t)params_i.size());
+    if (v_.empty()) alloc_verify();   // GIL held: allocates through ATen
+    // v_[11] int32 [M pos rows | 4 params_f bits | M ids], v_[12] int64 [M counters | 4 params_i]
+    constexpr int64_t M = nanoqwen::kMaxVerify;
+    int32_t up[M + 4];
+    for (int64_t i = 0; i < T; ++i) up[i] = (int32_t)(pos0 + i);
+    for (int i = 0; i < 4; ++i) {
+      const float f = (float)params_f[i];
+      std::memcpy(&up[M + i], &f, sizeof(f));
+    }
+    int32_t got[M];
+    NoGil nogil;
+    c10::InferenceMode im;
+    const c10::cuda::CUDAGuard dg(device_);
+    int32_t* const rows = v_[11].data_ptr<int32_t>();
+    int64_t* const counters = v_[12].data_ptr<int64_t>();
+    // pageable sources: each copy has left them when it returns
+    check_cuda(cudaMemcpyAsync(rows, up, T * sizeof(int32_t), cudaMemcpyHostToDevice, stream_),
+               "verify_sample: cudaMemcpyAsync of the rows' positions to the device");
+    check_cuda(cudaMemcpyAsync(rows + M, up + M, 4 * sizeof(int32_t), cudaMemcpyHostToDevice,
+                               stream_),
+               "verify_sample: cudaMemcpyAsync of the sampler's params_f to the device");
+    check_cuda(cudaMemcpyAsync(counters + M, params_i.data(), 4 * sizeof(int64_t),
+                               cudaMemcpyHostToDevice, stream_),
+               "verify_sample: cudaMemcpyAsync of the sampler's params_i to the device");
+    verify_nogil(ids.data_ptr<int32_t>(), T, pos0, graph);
+    const float* pf = reinterpret_cast<const float*>(rows + M);
+    for (int64_t i = 0; i < T; ++i)   // a_.work: each launch's scratch, one after the other
+      check_engine(nanoqwen::sample_token(rows + M + 4 + i, a_.work, vargs_.logits + i * a_.vocab,
+                                          a_.vocab, a_.ctx_tokens, a_.ctx_capacity, rows + i, pf,
+                                          counters + M, counters + i, stream_),
+                   "verify_sample: sample_token of a verify row");
+    check_cuda(cudaMemcpyAsync(got, rows + M + 4, T * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                               stream_),
+               "verify_sample: cudaMemcpyAsync of the sampled ids to the host");
+    check_cuda(cudaStreamSynchronize(stream_), "verify_sample: the stream after the verify step");
+    return std::vector<int64_t>(got, got + T);
+  }
+
+  // verify()'s work after its checks (GIL released, the device set): the ids and position up,
+  // the ids into ctx_tokens, the verify step (graph or eager).
+  void verify_nogil(const int32_t* idp, int64_t T, int64_t pos0, bool graph) {
     const int32_t pos32 = (int32_t)pos0;
     // pageable sources: each copy has left them when it returns
-    check_cuda(cudaMemcpyAsync(vargs_.ids, ids.data_ptr<int32_t>(), T * sizeof(int32_t),
-                               cudaMemcpyHostToDevice, stream_),
+    check_cuda(cudaMemcpyAsync(vargs_.ids, idp, T * sizeof(int32_t), cudaMemcpyHostToDevice,
+                               stream_),
                "verify: cudaMemcpyAsync of " + std::to_string(T) + " ids to the device");
     check_cuda(cudaMemcpyAsync(vargs_.pos, &pos32, sizeof(int32_t), cudaMemcpyHostToDevice,
                                stream_),
@@ -1279,7 +1339,6 @@ class Engine : public torch::CustomClassHolder {
                  "verify: cudaGraphLaunch of the verify graph (T=" + std::to_string(T) + ")");
     else
       check_engine(nanoqwen::launch_verify(a_, vargs_, (int)T, stream_), "verify step");
-    return v_[5].narrow(0, 0, T);
   }
   std::string verify_note() { return vnote_; }
 
@@ -1395,7 +1454,8 @@ class Engine : public torch::CustomClassHolder {
   }
 
   // verify()'s buffers (engine.h VerifyArgs), kMaxVerify rows each, made at the first verify:
-  // ids, pos, hidden, xn, qkv, logits, attn, act, ws_acc, ws_ml, counters
+  // ids, pos, hidden, xn, qkv, logits, attn, act, ws_acc, ws_ml, counters; then verify_sample's
+  // int32 [M positions | 4 params_f | M ids] and int64 [M draw counters | 4 params_i]
   void alloc_verify() {
     const int64_t M = nanoqwen::kMaxVerify, H = a_.H, I = a_.I, nh = a_.n_heads,
                   nkv = a_.n_kv, hd = a_.head_dim, S = a_.num_splits;
@@ -1404,7 +1464,8 @@ class Engine : public torch::CustomClassHolder {
           at::empty({M, (nh + 2 * nkv) * hd}, h), at::empty({M, (int64_t)a_.vocab}, f),
           at::empty({M, nh * hd}, h), at::empty({M, I}, h),
           at::empty({M * nh * S * hd}, f), at::empty({M * nh * S * 2}, f),
-          at::zeros({M * nkv}, i)};
+          at::zeros({M * nkv}, i), at::empty({2 * M + 4}, i),
+          at::arange(M + 4, g_[19].options())};   // verify_sample's (the counters 0..M-1)
     nanoqwen::VerifyArgs& v = vargs_;
     v.ids = v_[0].data_ptr<int32_t>(); v.pos = v_[1].data_ptr<int32_t>();
     v.hidden = v_[2].data_ptr<float>(); v.xn = hp(v_[3]); v.qkv = hp(v_[4]);
@@ -1448,6 +1509,7 @@ TORCH_LIBRARY(nanoqwen, m) {
       .def("start_turn", &nanoqwen_ops::Engine::start_turn)
       .def("prefill", &nanoqwen_ops::Engine::prefill)
       .def("verify", &nanoqwen_ops::Engine::verify)
+      .def("verify_sample", &nanoqwen_ops::Engine::verify_sample)
       .def("verify_note", &nanoqwen_ops::Engine::verify_note)
       .def("start", &nanoqwen_ops::Engine::start)
       .def("set_graph", &nanoqwen_ops::Engine::set_graph)

@@ -246,33 +246,31 @@ class Sampler:
         ids, probs = self._kept(logits)
         return self._draw(ids, probs)
 
-    def verify(self, logits: torch.Tensor, history: Sequence[int], draft: int
-               ) -> tuple[int, bool]:
-        """Speculative decoding's rule for one drafted id (engine/spec.py), as (token, kept).
-
-        Greedy: the argmax, kept iff it is the draft. Sampling (the drafter is deterministic,
-        so its distribution q is a point mass at `draft`): the draft is kept with probability
-        p(draft), else the token is drawn from the residual max(p - q, 0) renormalised (p
-        without the draft). P(token = x) = p(d) [x = d] + (1 - p(d)) p(x) / (1 - p(d)) [x != d]
-        = p(x): the same distribution as sample()'s, so speculation changes no reply's law.
-        """
+    def draw_seed(self) -> int:
+        """A 63-bit seed from this sampler's generator, for draws made elsewhere from it (the
+        CUDA engine's verify rows, CudaBackend.forward_all_sample): each call its own, and
+        the same sequence for the same seed."""
         import torch
 
-        if self.params.greedy:
-            t = self.sample(logits, history)
-            return t, t == draft
-        ids, probs = self._kept(self._penalised(logits, history))
-        at = torch.nonzero(ids == int(draft)).flatten()
-        p_d = float(probs[at[0]]) if len(at) else 0.0
-        u = float(torch.rand((), generator=self._gen, dtype=torch.float64))
-        if u < p_d:
-            return int(draft), True
-        if len(at):
-            probs = probs.clone()
-            probs[at[0]] = 0.0
-        if float(probs.sum()) <= 0.0:   # p(draft) rounded to 1 and u landed above it
-            return int(draft), True
-        return self._draw(ids, probs), False
+        return int(torch.randint(0, 1 << 63, (), generator=self._gen, dtype=torch.int64))
+
+    def verify(self, logits: torch.Tensor, history: Sequence[int], draft: int
+               ) -> tuple[int, bool]:
+        """Speculative decoding's rule for one drafted id (engine/spec.py), as (token, kept):
+        the token is sample()'s own draw, and the draft is kept iff it is that token.
+
+        The drafter is deterministic, so its distribution q is a point mass at `draft`, and the
+        standard rule (keep the draft with probability min(1, p(d) / q(d)) = p(d), else draw
+        from the residual max(p - q, 0) renormalised, p without d) emits x with probability
+        p(d) [x = d] + (1 - p(d)) p(x) / (1 - p(d)) [x != d] = p(x), keeping the draft with
+        probability p(d). One draw from p that keeps the draft iff it equals it has that same
+        law, jointly in (token, kept): so speculation changes no reply's distribution, greedy
+        is its special case (the argmax, kept iff it is the draft), and the CUDA engine applies
+        it to rows sampled on the device by the decode step's own sampler
+        (CudaBackend.forward_all_sample), with no logits brought to the host.
+        """
+        token = self.sample(logits, history)
+        return token, token == int(draft)
 
     def _penalised(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         """fp32 CPU `logits` [V] with the repetition penalty over `history` applied."""

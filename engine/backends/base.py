@@ -313,48 +313,63 @@ class Backend:
     def _verify_step(self, last: int, drafts: list[int], sampler, stop_ids: frozenset[int]
                      ) -> tuple[list[int], float, int]:
         """Forward `last` (+ `drafts` in the same forward); (emitted ids, ms, drafts kept).
-        The cache ends holding `last` and every emitted id but the last one."""
+        The cache ends holding `last` and every emitted id but the last one.
+
+        Each row's id is the sampler's pick after it (Sampler.verify's rule: draft i is kept
+        iff row i's id is the draft). Greedy without a penalty needs only each row's argmax
+        (Sampler.sample's first maximum), which a backend may find where the logits are; a
+        backend that samples on the device (`samples_rows`) draws every row there, as its
+        decode step would at that position; otherwise the rows come back and the sampler draws
+        them, one by one, only as far as the drafts are kept. Either way one id per row, not a
+        vocabulary of logits (600 KB at Qwen's 152064), crosses to the host where it can."""
         t0 = time.perf_counter()
         n0 = len(self.kv_tokens)
-        # greedy without a penalty needs only each row's argmax (Sampler.verify's greedy rule:
-        # the argmax, kept iff it is the draft; Sampler.sample's, the first maximum), which a
-        # backend may find where the logits are -- for a step without drafts too: one id comes
-        # back, not a vocabulary of logits (600 KB at Qwen's 152064)
         greedy = sampler.params.greedy and sampler.params.repeat_penalty == 1.0
-        if not drafts:
-            if greedy:
-                token = self.forward_all_argmax([last])[0]
-            else:
-                token = sampler.sample(self.forward([last]), self.kv_tokens)
-            return [token], (time.perf_counter() - t0) * 1e3, 0
+        tokens = [last] + drafts
+        rows = picks = None
         if greedy:
-            picks = self.forward_all_argmax([last] + drafts)   # the cache holds them all
+            picks = self.forward_all_argmax(tokens)      # the cache holds them all
+        elif self.samples_rows:
+            picks = self.forward_all_sample(tokens, sampler)
+        elif drafts:
+            rows = self.forward_all(tokens)              # [1 + k, V]
         else:
-            rows = self.forward_all([last] + drafts)     # [1 + k, V]; the cache holds them all
-        # what plain decoding would have cached, for the sampler's penalty window; greedy
-        # needs none (a copy of the whole context every step, O(context) host work, otherwise)
-        history = None if greedy else self.kv_tokens[:n0 + 1]
+            rows = [self.forward(tokens)]
+        # what plain decoding would have cached, for the sampler's penalty window (the CPU
+        # draws only; greedy needs none: a copy of the whole context every step otherwise)
+        history = self.kv_tokens[:n0 + 1] if rows is not None else None
         emitted: list[int] = []
         kept = 0
         try:
             for i, d in enumerate(drafts):
-                token, ok = (picks[i], picks[i] == d) if greedy else \
+                token, ok = (picks[i], picks[i] == d) if rows is None else \
                     sampler.verify(rows[i], history, d)
                 emitted.append(token)
-                if ok:
-                    kept += 1
-                    if history is not None:
-                        history.append(token)
-                if not ok or token in stop_ids:
+                if not ok:
+                    break
+                kept += 1
+                if history is not None:
+                    history.append(token)
+                if token in stop_ids:
                     break
             else:   # every draft kept
-                emitted.append(picks[len(drafts)] if greedy
+                emitted.append(picks[len(drafts)] if rows is None
                                else sampler.sample(rows[len(drafts)], history))
         except BaseException:
             self.truncate(n0 + 1)                    # `last` is forwarded, nothing after it
             raise
         self.truncate(n0 + len(emitted))             # last + emitted[:-1] (= accepted drafts)
         return emitted, (time.perf_counter() - t0) * 1e3, kept
+
+    # A backend that samples the verify step's rows where its logits are sets this and
+    # implements forward_all_sample.
+    samples_rows = False
+
+    def forward_all_sample(self, tokens: Sequence[int], sampler) -> list[int]:
+        """forward_all(tokens), then row i sampled with `sampler`'s settings as a decode step
+        at its position would sample it (the penalty window: the context through tokens[i]);
+        each row's draw its own. Only with samples_rows."""
+        raise NotImplementedError(f"the {self.name} backend does not sample rows itself")
 
     def forward_all_argmax(self, tokens: Sequence[int]) -> list[int]:
         """forward_all(tokens), then each row's argmax (lowest id on ties): the greedy pick

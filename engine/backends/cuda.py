@@ -450,14 +450,29 @@ class CudaBackend(Backend):
         engine's verify step: each row is what a decode step at that position computes, bit
         for bit (csrc/engine.h launch_verify)."""
         tokens = self._checked_verify(tokens)
-        return self._append(tokens, lambda t, pos: self._verify(t, pos, lambda x: x.cpu()))
+        return self._append(tokens, lambda t, pos: self._verify(
+            t, pos, lambda ids, p, graph: self.core.verify(ids, p, graph).cpu()))
 
     def forward_all_argmax(self, tokens: Sequence[int]) -> list[int]:
         """forward_all's rows' argmax (lowest id on ties), found on the device: T ids come
         back instead of T x V logits."""
         tokens = self._checked_verify(tokens)
-        return self._append(tokens,
-                            lambda t, pos: self._verify(t, pos, lambda x: x.argmax(1).tolist()))
+        return self._append(tokens, lambda t, pos: self._verify(
+            t, pos, lambda ids, p, graph: self.core.verify(ids, p, graph).argmax(1).tolist()))
+
+    samples_rows = True
+
+    def forward_all_sample(self, tokens: Sequence[int], sampler) -> list[int]:
+        """Backend.forward_all_sample on the device (the engine's verify_sample): the verify
+        step, then row i drawn by the decode step's own sampler (sample_token) as the step at
+        that position would draw it -- its penalty window the ctx_tokens the verify step wrote
+        -- from Philox(a seed taken from `sampler`'s generator, i). T ids come back, not T x V
+        logits, and no host sampler runs: speculation with a sampler costs the verify step and
+        T sampler launches (a fixed seed still gives a reproducible reply)."""
+        tokens = self._checked_verify(tokens)
+        _, pf, pi = self._sampler_values(sampler.params, sampler.draw_seed())
+        return self._append(tokens, lambda t, pos: self._verify(
+            t, pos, lambda ids, p, graph: self.core.verify_sample(ids, p, graph, pf, pi)))
 
     def _checked_verify(self, tokens: Sequence[int]) -> list[int]:
         tokens = self._checked(tokens)
@@ -466,20 +481,21 @@ class CudaBackend(Backend):
                              f"(its verify step), got {len(tokens)}")
         return tokens
 
-    def _verify(self, tokens: list[int], pos: int, read: Callable[[torch.Tensor], object]):
-        """The verify step at pos: K/V of tokens into the cache; returns read(the device
-        logits [T, V]), run on the engine's stream (the buffer is the engine's: read, not
-        kept). Graph mode replays a graph of the verify step per token count (captured at its
-        first use), eager mode launches it: as the decode step, eager vs graph is launch
-        overhead and nothing else (the same kernels, bit for bit)."""
+    def _verify(self, tokens: list[int], pos: int,
+                run: Callable[[torch.Tensor, int, bool], object]):
+        """The verify step at pos: K/V of tokens into the cache; returns run(ids, pos, graph),
+        which calls the engine's verify (the device logits [T, V] are the engine's buffer:
+        read on its stream, not kept) or verify_sample. Graph mode replays a graph of the
+        verify step per token count (captured at its first use), eager mode launches it: as
+        the decode step, eager vs graph is launch overhead and nothing else (the same kernels,
+        bit for bit)."""
         with self._lock, torch.cuda.device(self.device), torch.cuda.stream(self.stream), \
                 torch.inference_mode():
             self._gen_id += 1  # any suspended generate() no longer owns the cache
             self.core.begin_turn([])  # waits for (and stops) a suspended turn's queued steps
             self.cache.rollback(pos)
             self._reserve(pos + len(tokens))
-            out = read(self.core.verify(torch.tensor(tokens, dtype=torch.int32), pos,
-                                        self._mode == "graph"))
+            out = run(torch.tensor(tokens, dtype=torch.int32), pos, self._mode == "graph")
             self.cache.length = pos + len(tokens)
         return out.clone() if isinstance(out, torch.Tensor) else out  # not an inference tensor
 

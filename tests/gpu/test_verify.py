@@ -10,7 +10,9 @@ tolerance:
     time -- across page boundaries, at 7B shapes too -- and leaves the cache as they would;
   * greedy speculation on the CUDA engine is the plain greedy reply, token for token, with
     drafts kept (the bundled model is trained: code edits repeat their input), and the cache
-    invariant of docs/INTERFACES.md holds at every suspension, after a stop and a cancel.
+    invariant of docs/INTERFACES.md holds at every suspension, after a stop and a cancel;
+  * the verify rows sampled on the device (forward_all_sample) are the decode step's sampler's
+    draws at their positions, and greedy with a repetition penalty stays the plain reply.
 """
 
 from __future__ import annotations
@@ -226,6 +228,70 @@ def test_verify_writes_its_ids_into_the_sampler_history(tiny, mode):
     be.mode = "graph"
 
 
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+@pytest.mark.parametrize("params", [
+    SamplerParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.3, seed=7),
+    SamplerParams(temperature=0.0, repeat_penalty=1.5, repeat_last_n=8, seed=7),
+    SamplerParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=7),
+], ids=["app-defaults-penalty", "greedy-penalty", "hot-untruncated"])
+def test_verify_sample_rows_are_the_decode_samplers_draws(tiny, mode, params):
+    """forward_all_sample (the engine's verify_sample) draws row i exactly as sample_token
+    draws forward_all's row i at position n0 + i -- its penalty window the ctx_tokens the verify
+    step wrote -- from Philox(the seed the sampler's generator gives first, i): the same ids,
+    bit for bit. So each row is the decode step's own sampler at that position (whose law
+    test_sampler_cluster checks), and speculation keeps a draft iff it is that draw
+    (Sampler.verify's rule, whose law tests/test_spec.py checks)."""
+    from nanoqwen.engine.sampling import Sampler
+
+    be = tiny
+    be.mode = mode
+    V = be.config.vocab_size
+    gen = torch.Generator().manual_seed(77)
+    ids = torch.randint(0, V, (40,), generator=gen).tolist()
+    ids[30:36] = ids[20:26]   # repeats inside the window: the penalty has ids to push down
+    n0, T = 29, 11
+    try:
+        be.truncate(0)
+        be.forward(ids[:n0])
+        got = be.forward_all_sample(ids[n0:n0 + T], Sampler(params))
+        assert be.kv_tokens == ids[:n0 + T] and len(got) == T
+        assert all(0 <= t < V for t in got)
+        be.truncate(n0)
+        rows = be.forward_all(ids[n0:n0 + T]).cuda()
+        torch.cuda.synchronize()
+        _, pf, pi = be._sampler_values(params, Sampler(params).draw_seed())
+        dev = rows.device
+        want = []
+        with torch.inference_mode():   # (ctx_tokens is the engine's inference tensor)
+            out = torch.empty(1, dtype=torch.int32, device=dev)
+            work = torch.empty(V, device=dev)
+            for i in range(T):
+                ops().sample_token(out, work, rows[i].contiguous(), be.ctx_tokens,
+                                   torch.tensor([n0 + i], dtype=torch.int32, device=dev),
+                                   torch.tensor(pf, device=dev), torch.tensor(pi, device=dev),
+                                   torch.tensor([i], device=dev))
+                want.append(int(out))
+        assert got == want
+    finally:
+        be.mode = "graph"
+
+
+def test_verify_sample_refuses_what_it_cannot_run(tiny):
+    from nanoqwen.engine.sampling import Sampler
+
+    be = tiny
+    be.truncate(0)
+    be.forward([1, 2, 3])
+    s = Sampler(SamplerParams(temperature=0.8, seed=1))
+    with pytest.raises(ValueError, match="at most 16 tokens on the CUDA engine"):
+        be.forward_all_sample(list(range(17)), s)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        be.forward_all_sample([1, be.config.vocab_size], s)
+    with pytest.raises(RuntimeError, match="params_f and params_i hold 4 values each"):
+        be.core.verify_sample(torch.tensor([1], dtype=torch.int32), 3, True, [0.8], [0, 0, 0, 0])
+    assert be.kv_tokens == [1, 2, 3]   # nothing was appended
+
+
 # --- speculation on the CUDA engine (the bundled model: real acceptance) ---------------------------
 @pytest.fixture(scope="module")
 def bundled():
@@ -254,6 +320,29 @@ def test_greedy_speculation_is_plain_greedy(bundled, which, mode):
     if which != 2:
         assert st["accepted"] > 0, st   # a code edit repeats its input: drafts are kept
     be.mode = "graph"
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_greedy_speculation_with_a_penalty_is_plain_greedy(bundled, mode):
+    """Greedy with a repetition penalty takes the device-sampled rows (forward_all_sample):
+    each row's pick is the decode step's sampler's at that position, over the same window, so
+    the reply is the plain one token for token, with drafts kept."""
+    from test_spec import PROMPTS, invariant, prompt_ids, run
+
+    be = bundled.backend
+    be.mode = mode
+    params = SamplerParams(temperature=0.0, repeat_penalty=1.1, repeat_last_n=64)
+    try:
+        for text in PROMPTS[:2]:
+            ids = prompt_ids(bundled, text)
+            plain = run(be, ids, params, 140, None, bundled.tokenizer.stop_ids)
+            out = run(be, ids, params, 140, "ngram", bundled.tokenizer.stop_ids,
+                      check=invariant(be, ids))
+            assert out == plain
+            st = be.spec_stats
+            assert st["verify_steps"] > 0 and st["accepted"] > 0, st
+    finally:
+        be.mode = "graph"
 
 
 def test_speculation_stop_cancel_and_sampling_keep_the_cache_exact(bundled):
