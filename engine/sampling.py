@@ -252,7 +252,7 @@ class Sampler:
         the same sequence for the same seed."""
         import torch
 
-        return int(torch.randint(0, 1 << 63, (), generator=self._gen, dtype=torch.int64))
+        return int(torch.randint(0, (1 << 63) - 1, (), generator=self._gen, dtype=torch.int64))
 
     def verify(self, logits: torch.Tensor, history: Sequence[int], draft: int
                ) -> tuple[int, bool]:

@@ -358,6 +358,50 @@ def test_sampled_speculation_keeps_the_invariant(engine):
     assert be.spec_stats["verify_steps"] > 0
 
 
+def test_draw_seed_is_the_samplers_own_sequence():
+    a, b = Sampler(SamplerParams(seed=3)), Sampler(SamplerParams(seed=3))
+    xs = [a.draw_seed() for _ in range(4)]
+    assert xs == [b.draw_seed() for _ in range(4)]      # a fixed seed: the same seeds
+    assert len(set(xs)) == 4 and all(0 <= x < 2 ** 63 for x in xs)
+    assert Sampler(SamplerParams(seed=4)).draw_seed() != xs[0]
+
+
+@pytest.mark.parametrize("params", [
+    SamplerParams(temperature=0.0, repeat_penalty=1.1, repeat_last_n=64),
+    SamplerParams(temperature=0.8, repeat_penalty=1.2, seed=5),
+], ids=["greedy-penalty", "sampled"])
+def test_rows_drawn_where_the_logits_are(engine, monkeypatch, params):
+    """Backend._verify_step's branch for a backend that draws its verify rows itself
+    (`samples_rows`: the CUDA engine's verify_sample, checked against its sampler bit for bit
+    in tests/gpu/test_verify.py). Here the rows are drawn on the host the way the device draws
+    them: row i by a sampler seeded with the step's draw_seed(), over the context through
+    tokens[i]. Greedy with a repetition penalty takes this branch and must give the plain
+    reply token for token with drafts kept; a sampled turn must keep the cache invariant at
+    every suspension and be the same twice with a fixed seed."""
+    import dataclasses
+
+    be = engine.backend
+
+    def forward_all_sample(tokens, sampler):
+        n0 = len(be.kv_tokens)
+        rows = be.forward_all(tokens)
+        draw = Sampler(dataclasses.replace(sampler.params, seed=sampler.draw_seed()))
+        history = be.kv_tokens[:n0]
+        return [draw.sample(rows[i], history + tokens[:i + 1]) for i in range(len(tokens))]
+
+    monkeypatch.setattr(be, "samples_rows", True, raising=False)
+    monkeypatch.setattr(be, "forward_all_sample", forward_all_sample, raising=False)
+    ids = prompt_ids(engine, PROMPTS[0])
+    stop = engine.tokenizer.stop_ids
+    out = run(be, ids, params, 120, "ngram", stop, check=invariant(be, ids))
+    st = be.spec_stats
+    assert st["verify_steps"] > 0 and st["accepted"] > 0, st
+    if params.greedy:
+        assert out == run(be, ids, params, 120, None, stop)
+    else:
+        assert run(be, ids, params, 120, "ngram", stop) == out and len(out) > 20
+
+
 def test_spec_refused_where_it_is_not_built(engine):
     from nanoqwen.engine.backends.cuda import CudaBackend
 
