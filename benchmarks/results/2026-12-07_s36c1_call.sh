@@ -7,7 +7,8 @@
 #     on the host (the path before), greedy;
 # (3) bench_spec on the bundled model, CUDA, --temp 0.8: the device rows (B) and the host rows (A:
 #     CudaBackend.samples_rows = False, the loop's path before), alternating;
-# (4) issue 12's table on all six presets (graph, context 512);
+# (4) bench_app on the bundled model with the app's sampler, speculation on and off (the screen);
+#     issue 12's table on all six presets (graph, context 512) if the card is an H200;
 # (5) as far as time allows: attention's split sizing at 0.5B shapes, the GEMV family lab.
 source benchmarks/device_prelude.sh
 END=${END:-585}
@@ -37,7 +38,14 @@ for r in 1 2; do
   t "bench_spec --temp 0.8, device rows ($r)"; spec device_$r 1
   t "bench_spec --temp 0.8, host rows ($r)"; spec host_$r 0
 done
-for m in 0.5b 1.5b 3b 7b 14b 32b; do
+for sp in ngram off; do
+  [ $(left) -gt 100 ] || break
+  t "bench_app, bundled model, CUDA graph, --sampled, spec $sp"
+  timeout 100 python3 benchmarks/bench_app.py --backend cuda --mode graph --sampled --spec $sp \
+    --reps 3 --tokens 256 --quiet --json "$R/app_tiny_graph_sampled_spec-${sp}_$C.json" 2>&1 | tail -8
+done
+# issue 12's table is an H200 figure (the H100's is session 34's): on an H200 only
+nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && for m in 0.5b 1.5b 3b 7b 14b 32b; do
   [ $(left) -gt 40 ] || break
   t "bench $m"
   bj "bench_${m}_p512_n128_$C" --synthetic $m -p 512 -n 128 -r 5 --mode graph
