@@ -839,7 +839,7 @@ class Engine : public torch::CustomClassHolder {
     NQ_CHECK(ints[12] >= 0, op, ": prefill_attn_max=", ints[12], " must be >= 0");
     prefill_attn_max_ = ints[12];
     NQ_CHECK(ints[13] == 0 || ints[13] == 1, op, ": norm_fold=", ints[13], " must be 0 or 1");
-    a.norm_fold = (int)ints[13];
+    const bool norm_fold = ints[13] == 1;
     struct Want { const char* name; at::ScalarType dt; std::vector<int64_t> dims; };
     const std::vector<Want> want = {
         {"embed", at::kHalf, {V, H}}, {"final_norm", at::kHalf, {H}}, {"lm_head", at::kHalf, {V, H}},
@@ -876,8 +876,10 @@ class Engine : public torch::CustomClassHolder {
     a.sampled = g_[18].data_ptr<int32_t>(); a.counter = g_[19].data_ptr<int64_t>();
     a.ctx_tokens = g_[20].data_ptr<int32_t>(); a.params_f = g_[21].data_ptr<float>();
     a.params_i = g_[22].data_ptr<int64_t>(); a.stops = g_[23].data_ptr<int32_t>();
-    norm_parts_ = at::zeros({H / 16}, g_[3].options());   // fp32 on hidden's device
-    a.norm_parts = norm_parts_.data_ptr<float>();
+    if (norm_fold) {  // fp32 on hidden's device; null parts: the step launches rmsnorm
+      norm_parts_ = at::zeros({H / 16}, g_[3].options());
+      a.norm_parts = norm_parts_.data_ptr<float>();
+    }
     for (int64_t li = 0; li < nl; ++li) {
       const Tensor* t = &l_[15 * li];
       const std::string pfx = "layer " + std::to_string(li) + " ";
@@ -1484,7 +1486,7 @@ class Engine : public torch::CustomClassHolder {
   int64_t int4_max_m_ = 0;   // dequant weights: chunks this short through gemm_int4 instead
   int64_t prefill_attn_max_ = 0;   // chunks ending at most here: attention_prefill, else SDPA
   Tensor split_counters_;    // gemm_int4's split-K tile counters (kGemmCounters, kept zeroed)
-  Tensor norm_parts_;        // the decode step's folded norm's parts [H/16] (StepArgs::norm_parts)
+  Tensor norm_parts_;        // the folded norm's parts [H/16] (StepArgs::norm_parts); none: fold off
   int64_t chunk_ = 2048;
   c10::Device device_{c10::kCUDA, 0};
   cudaStream_t stream_ = nullptr;

@@ -141,7 +141,7 @@ __device__ __forceinline__ void rope_pair(float a, float b, float c, float s, ha
 }
 
 // ---- RMSNorm's sum of squares, in ONE order everywhere ---------------------------------------
-// The decode step folds its norms into neighbours (engine.cu launch_step, StepArgs::norm_fold):
+// The decode step folds its norms into neighbours (engine.cu launch_step, StepArgs::norm_parts):
 // the residual GEMVs that update hidden (and the embedding gather) each write, per 16
 // consecutive entries of the row, a partial sum of squares ("part" b = entries 16b .. 16b+15),
 // and the GEMVs after the norm fold the H/16 parts into the row's sum and form x = w * (h * r)

@@ -102,10 +102,10 @@ cudaError_t launch_sample_advance(const StepArgs& a, cudaStream_t s) {
 cudaError_t launch_step(const StepArgs& a, cudaStream_t s) {
   const int qkv_n = (a.n_heads + 2 * a.n_kv) * a.head_dim, q = a.n_heads * a.head_dim;
   const float scale = 1.0f / sqrtf((float)a.head_dim);
-  // norm_fold: each norm is formed by the GEMV after it from the parts the kernel before it
-  // wrote (gemv.h); the parts buffer is rewritten only after its readers have finished (every
-  // launch's outputs come after its griddep_wait, and the chain is one stream)
-  float* parts = a.norm_fold ? a.norm_parts : nullptr;
+  // norm_parts non-null (the fold): each norm is formed by the GEMV after it from the parts the
+  // kernel before it wrote (gemv.h); the parts buffer is rewritten only after its readers have
+  // finished (every launch's outputs come after its griddep_wait, and the chain is one stream)
+  float* const parts = a.norm_parts;
   NQ_TRY(embed_gather(a.hidden, a.embed, a.token_in, 1, a.H, a.vocab, s, parts),
          "decode step, embed_gather (H=%d, V=%d)", a.H, a.vocab);
   for (int li = 0; li < (int)a.layers.size(); ++li) {

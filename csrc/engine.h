@@ -61,10 +61,6 @@ struct StepArgs {
   float eps = 0.f;
   int min_pps = 0;            // attention_decode's minimum pages per split
   int attn_kernel = 0;        // attention_decode's page loop (kAttnCpAsync / kAttnTma)
-  // the decode step's norms: 1 folded into their neighbours (embed_gather and the residual GEMVs
-  // write the sum-of-squares parts, the qkv and gate/up GEMVs form x themselves: no rmsnorm
-  // launch in the layers), 0 rmsnorm launches (the A/B; NANOQWEN_NORM_FOLD)
-  int norm_fold = 1;
   int num_splits = 1;
   int table_len = 0;          // pages in page_table (the RoPE tables hold table_len*16 rows)
   int ctx_capacity = 0;       // ids in ctx_tokens
@@ -74,7 +70,11 @@ struct StepArgs {
   std::vector<LayerPtrs> layers;
   float* hidden = nullptr;    // [H] fp32 residual
   half* xn = nullptr;         // [H]
-  float* norm_parts = nullptr;  // [H/16] the folded norm's parts (norm_fold)
+  // [H/16] the folded norm's parts. Non-null: the decode step's norms are folded into their
+  // neighbours (embed_gather and the residual GEMVs write the sum-of-squares parts, the qkv and
+  // gate/up GEMVs form x themselves: no rmsnorm launch in the layers); null: rmsnorm launches
+  // (the A/B; NANOQWEN_NORM_FOLD=0)
+  float* norm_parts = nullptr;
   half* qkv = nullptr;        // [q + 2kv]
   half* attn = nullptr;       // [n_heads, head_dim]
   half* act = nullptr;        // [I]
