@@ -1298,11 +1298,11 @@ class Engine : public torch::CustomClassHolder {
                "verify_sample: cudaMemcpyAsync of the sampler's params_i to the device");
     verify_nogil(ids.data_ptr<int32_t>(), T, pos0, graph);
     const float* pf = reinterpret_cast<const float*>(rows + M);
-    for (int64_t i = 0; i < T; ++i)   // a_.work: each launch's scratch, one after the other
-      check_engine(nanoqwen::sample_token(rows + M + 4 + i, a_.work, vargs_.logits + i * a_.vocab,
-                                          a_.vocab, a_.ctx_tokens, a_.ctx_capacity, rows + i, pf,
-                                          counters + M, counters + i, stream_),
-                   "verify_sample: sample_token of a verify row");
+    // the T rows in one launch, a cluster each (work: v_[13], a row each)
+    check_engine(nanoqwen::sample_token(rows + M + 4, v_[13].data_ptr<float>(), vargs_.logits,
+                                        a_.vocab, a_.ctx_tokens, a_.ctx_capacity, rows, pf,
+                                        counters + M, counters, stream_, nullptr, 0, (int)T),
+                 "verify_sample: sample_token of the verify rows");
     check_cuda(cudaMemcpyAsync(got, rows + M + 4, T * sizeof(int32_t), cudaMemcpyDeviceToHost,
                                stream_),
                "verify_sample: cudaMemcpyAsync of the sampled ids to the host");
@@ -1457,7 +1457,8 @@ class Engine : public torch::CustomClassHolder {
 
   // verify()'s buffers (engine.h VerifyArgs), kMaxVerify rows each, made at the first verify:
   // ids, pos, hidden, xn, qkv, logits, attn, act, ws_acc, ws_ml, counters; then verify_sample's
-  // int32 [M positions | 4 params_f | M ids] and int64 [M draw counters | 4 params_i]
+  // int32 [M positions | 4 params_f | M ids], int64 [M draw counters | 4 params_i] and fp32
+  // [M, V] (the draws' scratch)
   void alloc_verify() {
     const int64_t M = nanoqwen::kMaxVerify, H = a_.H, I = a_.I, nh = a_.n_heads,
                   nkv = a_.n_kv, hd = a_.head_dim, S = a_.num_splits;
@@ -1467,7 +1468,8 @@ class Engine : public torch::CustomClassHolder {
           at::empty({M, nh * hd}, h), at::empty({M, I}, h),
           at::empty({M * nh * S * hd}, f), at::empty({M * nh * S * 2}, f),
           at::zeros({M * nkv}, i), at::empty({2 * M + 4}, i),
-          at::arange(M + 4, g_[19].options())};   // verify_sample's (the counters 0..M-1)
+          at::arange(M + 4, g_[19].options()),    // verify_sample's (the counters 0..M-1)
+          at::empty({M, (int64_t)a_.vocab}, f)};  // and its draws' scratch (sample_token's work)
     nanoqwen::VerifyArgs& v = vargs_;
     v.ids = v_[0].data_ptr<int32_t>(); v.pos = v_[1].data_ptr<int32_t>();
     v.hidden = v_[2].data_ptr<float>(); v.xn = hp(v_[3]); v.qkv = hp(v_[4]);

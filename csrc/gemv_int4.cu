@@ -514,10 +514,15 @@ constexpr Int4Instance instance(int max_k, const char* use) {
 // Chosen from GEMV_NOTES.md runs 7-8 (H200, graph of back-to-back PDL launches, 7B shapes): the
 // fastest tca shape per GEMV, each 23-30% faster than the v2/v3 kernels it replaced. The
 // residual op serves o_proj (k = q_size, <= 5120 in the family) and down_proj (k = the
-// intermediate size, >= 8960 from 1.5B up), which want different splits of K.
+// intermediate size, >= 8960 from 1.5B up), which want different splits of K. The 0.5B's
+// down_proj (896 x 4864: 56 blocks) is the one down_proj with k < 5120: at 4 warps a warp
+// streams 5 ring stages, 2 of them after griddep_wait; at 8 warps all of its 2.4 are copied
+// before the wait (RESULTS.md, session 35). Its row sits between o_proj's, by k.
 constexpr Int4Instance kInt4Table[] = {
     instance<Tca<OP_STORE, 4, 4, 2>>(kAnyK, "qkv"),      // 4608x3584: 4.48 us (v3 6.33)
-    instance<Tca<OP_RESID, 4, 4, 2>>(8192, "o_proj"),    // 3584x3584: 3.99 us (v3 4.81)
+    instance<Tca<OP_RESID, 4, 4, 2>>(4096, "o_proj"),    // 3584x3584: 3.99 us (v3 4.81)
+    instance<Tca<OP_RESID, 8, 4, 2>>(4864, "down_proj (k 4864, the 0.5B)"),
+    instance<Tca<OP_RESID, 4, 4, 2>>(8192, "o_proj (k 5120, the 14B and 32B)"),
     instance<Tca<OP_RESID, 8, 4, 2>>(kAnyK, "down_proj"), // 3584x18944: 11.60 us (v3 16.59)
     instance<Tca<OP_SILU, 2, 4, 2>>(kAnyK, "gate/up"),   // 2x18944x3584: 19.92 us (v2 25.74)
 };
@@ -546,7 +551,9 @@ constexpr const Int4Instance& pick(int op, int k) {
   while (kInt4Table[i].op != op || k > kInt4Table[i].max_k) ++i;
   return kInt4Table[i];
 }
-static_assert(pick(OP_RESID, 3584).ks == 4 && pick(OP_RESID, 18944).ks == 8, "o / down split");
+static_assert(pick(OP_RESID, 3584).ks == 4 && pick(OP_RESID, 4864).ks == 8 &&
+                  pick(OP_RESID, 5120).ks == 4 && pick(OP_RESID, 18944).ks == 8,
+              "o / down split");
 
 cudaError_t check_int4(const char* fn, const void* out, const half* x, const uint32_t* qw,
                        const half* sc, int n, int k, int cols) {

@@ -177,10 +177,14 @@ cudaError_t attention_verify(half* out, float* ws_acc, float* ws_ml, int32_t* co
 // whether the slices were in shared memory, and the number of blocks << kPathBlocksShift.
 constexpr int32_t kPathGreedy = 1, kPathTopK = 2, kPathTopP = 4, kPathMinP = 8, kPathDraw = 16,
                   kPathRowShared = 32, kPathBlocksShift = 8;
+// rows > 1 (the verify step's rows, engine's verify_sample): `rows` independent draws in one
+// launch, a cluster each, row r reading logits + r * V and pos[r], counter[r], writing
+// out_token[r] and work + r * V (work then [rows, V]); the same draw as rows calls of one row.
+// path must be null then.
 cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, int V,
                          const int32_t* ctx_tokens, int ctx_capacity, const int32_t* pos, const float* params_f,
                          const int64_t* params_i, const int64_t* counter, cudaStream_t stream,
-                         int32_t* path = nullptr, int blocks = 0);
+                         int32_t* path = nullptr, int blocks = 0, int rows = 1);
 
 // The end of a decode step, so the next one needs no host round trip:
 //   token_in[0] = sampled; pos += 1; ctx_tokens[pos] = sampled (if pos < ctx_capacity);

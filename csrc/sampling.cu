@@ -538,6 +538,13 @@ sample_kernel(int32_t* __restrict__ out_token, float* __restrict__ work,
               const int64_t* __restrict__ params_i, const int64_t* __restrict__ counter,
               int32_t* __restrict__ path) {
   __shared__ SampleShared sh;
+  // the row of a multi-row launch (sample_token's rows; a cluster spans blockIdx.x only)
+  const int r = (int)blockIdx.y;
+  out_token += r;
+  work += (size_t)r * V;
+  logits += (size_t)r * V;
+  pos_ptr += r;
+  counter += r;
   griddep_wait();  // logits come from the lm_head GEMV right before (PDL rules: common.cuh)
   griddep_launch_dependents();
   const uint32_t ran = sample_body(out_token, work, logits, V, ctx_tokens, ctx_capacity, pos_ptr,
@@ -577,7 +584,10 @@ static int max_sample_blocks() {
 cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, int V,
                          const int32_t* ctx_tokens, int ctx_capacity, const int32_t* pos,
                          const float* params_f, const int64_t* params_i, const int64_t* counter,
-                         cudaStream_t stream, int32_t* path, int blocks) {
+                         cudaStream_t stream, int32_t* path, int blocks, int rows) {
+  if (rows < 1 || rows > 65535 || (rows > 1 && path != nullptr))
+    return nq_fail(cudaErrorInvalidValue, "sample_token: rows=%d must be 1..65535, and 1 with a "
+                   "path", rows);
   if (V <= 0 || ctx_capacity <= 0)
     return nq_fail(cudaErrorInvalidValue, "sample_token: V=%d and ctx_capacity=%d must be >= 1", V,
                    ctx_capacity);
@@ -611,7 +621,7 @@ cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, i
   const int n = blocks > 0 ? blocks
                            : max(1, min(auto_blocks, (V + kIdsPerBlockMin - 1) / kIdsPerBlockMin));
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(n);
+  cfg.gridDim = dim3(n, rows);
   cfg.blockDim = dim3(kSampleThreads);
   cfg.dynamicSmemBytes = kSampleSmemBytes;
   cfg.stream = stream;
@@ -628,10 +638,10 @@ cudaError_t sample_token(int32_t* out_token, float* work, const float* logits, i
                                      ctx_capacity, pos, params_f, params_i, counter, path);
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e == cudaSuccess) return e;
-  return nq_fail(e, "sample_token: V=%d ctx_capacity=%d: launch of a cluster of %d blocks x %d "
-                 "threads with %d bytes of dynamic shared memory (PDL %s) failed: %s", V,
-                 ctx_capacity, n, kSampleThreads, kSampleSmemBytes, pdl_enabled() ? "on" : "off",
-                 cudaGetErrorString(e));
+  return nq_fail(e, "sample_token: V=%d ctx_capacity=%d rows=%d: launch of a cluster of %d blocks "
+                 "x %d threads with %d bytes of dynamic shared memory (PDL %s) failed: %s", V,
+                 ctx_capacity, rows, n, kSampleThreads, kSampleSmemBytes,
+                 pdl_enabled() ? "on" : "off", cudaGetErrorString(e));
 }
 
 __global__ void __launch_bounds__(kAdvanceThreads)
