@@ -468,7 +468,7 @@ class CudaBackend(Backend):
         that position would draw it -- its penalty window the ctx_tokens the verify step wrote
         -- from Philox(a seed taken from `sampler`'s generator, i). T ids come back, not T x V
         logits, and no host sampler runs: speculation with a sampler costs the verify step and
-        T sampler launches (a fixed seed still gives a reproducible reply)."""
+        one sampler launch of T clusters (a fixed seed still gives a reproducible reply)."""
         tokens = self._checked_verify(tokens)
         _, pf, pi = self._sampler_values(sampler.params, sampler.draw_seed())
         return self._append(tokens, lambda t, pos: self._verify(
