@@ -1,11 +1,14 @@
 # Sourced first by the benchmarks/verify_*_gpu.sh scripts that return a results tarball: strict
-# pipes, $OUT and its results folder $R, the clock and t() (a timestamped heading), the commit $C
-# (NANOQWEN_COMMIT: the device's copy has no .git), the part $P (PART, default A) and bj().
+# pipes, $OUT and its results folder $R, the clock and t() (a timestamped heading), left() (the
+# seconds a call has until END), the commit $C (NANOQWEN_COMMIT: the device's copy has no .git),
+# the part $P (PART, default A), bj() and build().
 set -o pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16
 OUT=${OUT:-/tmp/out}; R="$OUT/r"; mkdir -p "$R"
 S=$(date +%s)
 t() { echo "[$(( $(date +%s) - S ))s] == $*"; }
+END=${END:-585}   # a call's budget in seconds (the device's per-call limit is 600)
+left() { echo $(( END - ($(date +%s) - S) )); }
 C=${NANOQWEN_COMMIT:-unknown}
 P=${PART:-A}
 # bj NAME ARGS...: `nanoqwen bench ARGS --json` into $R/NAME.json, then its rows' figures on one
@@ -18,3 +21,7 @@ d = json.load(open(sys.argv[1]))
 print(*([d['prefill_weights']] if d.get('prefill_weights') else []),
       [(r.get('mode'), r['test'], r.get('ttft_ms') or r.get('ms_per_token')) for r in d['rows']])" "$f"
 }
+# build: rebuild and load the extension after a patch (device_setup.sh made the first build);
+# prints the library's path
+build() { timeout 200 python3 -c "
+from nanoqwen.engine.build import load_extension; print(load_extension())" 2>&1 | tail -1; }

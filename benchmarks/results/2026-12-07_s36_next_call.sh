@@ -5,13 +5,9 @@
 # 7B (its rows do not change: the control) product, patched, product again; then the tests that
 # decide the patch's GEMVs and, if time is left, all of tests/gpu on the patched tree.
 source benchmarks/device_prelude.sh
-END=${END:-585}
-left() { echo $(( END - ($(date +%s) - S) )); }
 {
 source benchmarks/device_setup.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-build() { timeout 200 python3 -c "
-from nanoqwen.engine.build import load_extension; print(load_extension())" 2>&1 | tail -1; }
 P=benchmarks/attempts/gemv-family-rows.patch
 round() {  # round NAME PRESETS...
   local name=$1; shift

@@ -4,13 +4,9 @@
 # new page table entries sent inside verify_sample, greedy rows through the greedy sampler) against
 # the product: its tests, then the app and the engine with speculation, A (product) B (patch) A B.
 source benchmarks/device_prelude.sh
-END=${END:-585}
-left() { echo $(( END - ($(date +%s) - S) )); }
 {
 source benchmarks/device_setup.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-build() { timeout 200 python3 -c "
-from nanoqwen.engine.build import load_extension; print(load_extension())" 2>&1 | tail -1; }
 P=benchmarks/attempts/verify-one-call.patch
 ab() {  # ab NAME: the engine's and the app's speculation figures of this tree
   timeout 60 python3 benchmarks/bench_spec.py --backend cuda -n 200 --reps 3 \
