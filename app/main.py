@@ -262,6 +262,9 @@ class NanoqwenApp(App[None]):
             return
         want = self.settings.speculation
         have = self.engine.info.spec_modes
+        if want == "auto":   # what this backend is measured faster with; nothing to say
+            want = self.engine.info.spec_auto or "off"
+            want = want if want in have else "off"
         if want == "draft" and want in have:
             # a model file to load (seconds on a big one): in a worker; replies decode as
             # before until it is ready

@@ -117,10 +117,10 @@ class SettingsScreen(_FitsTerminal, ModalScreen[Settings | None]):
                     yield Static(self._mode_hint(), classes="hint", id="decode_mode-error")
                     yield Label(LABELS["speculation"])
                     # as the decode mode: what the backend verifies, the saved choice kept
-                    spec_offered = [m for m in SPECULATION if m == "off"
+                    spec_offered = [m for m in SPECULATION if m in ("auto", "off")
                                     or self.spec_modes is None or m in self.spec_modes]
                     yield Select([(SPECULATION_NAMES[m], m) for m in spec_offered],
-                                 value=s.speculation if s.speculation in spec_offered else "off",
+                                 value=s.speculation if s.speculation in spec_offered else "auto",
                                  allow_blank=False, id="speculation", compact=True)
                     yield Static(self._spec_hint(), classes="hint", id="speculation-error")
                     yield Label(LABELS["draft_model"])

@@ -25,9 +25,12 @@ from nanoqwen.engine.service import MODES
 
 DECODE_MODES = MODES  # the engine's decode modes (engine/service.py)
 # speculative decoding: off, or a drafter of engine/spec.py ("ngram": prompt lookup, "draft":
-# the model file draft_model, a smaller one of the same tokenizer)
-SPECULATION = ("off", "ngram", "draft")
-SPECULATION_NAMES = {"off": "off", "ngram": "prompt lookup", "draft": "draft model"}
+# the model file draft_model, a smaller one of the same tokenizer), or "auto": what the loaded
+# backend is measured faster with on screen (Backend.spec_auto: prompt lookup on the CPU's
+# reference backend; none yet on the CUDA engine, whose speculation loop is the host's)
+SPECULATION = ("auto", "off", "ngram", "draft")
+SPECULATION_NAMES = {"auto": "auto", "off": "off", "ngram": "prompt lookup",
+                     "draft": "draft model"}
 # the perf panel: beside the chat, a one-line summary under it, or hidden (F3 cycles; a
 # terminal too narrow for "full" shows "line")
 PERF_PANEL = ("full", "line", "hidden")
@@ -80,7 +83,7 @@ class Settings:
     max_new_tokens: int = 1024
     system_prompt: str = ""          # empty: the model's chat template default
     decode_mode: str = "graph"       # wanted mode; a backend without it runs its only mode
-    speculation: str = "off"         # wanted; a backend without it decodes plainly
+    speculation: str = "auto"        # wanted; a backend without it decodes plainly
     draft_model: str = ""            # the .nanoqwen file of speculation "draft"
     last_model: str | None = None    # the model to open next time
     cpu_threads: int = 0             # the CPU backend's threads; 0: one per core

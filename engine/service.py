@@ -122,6 +122,7 @@ class LoadedModel:
     max_context: int
     fallback: str | None = None     # why "auto" ended on the reference backend
     spec_modes: tuple[str, ...] = ()  # speculative decoding the backend verifies (spec.py)
+    spec_auto: str | None = None      # what the app's "auto" speculation runs (Backend.spec_auto)
     warnings: list[str] = field(default_factory=list)
     generation: dict = field(default_factory=dict)  # the file's generation config
 
@@ -179,7 +180,7 @@ class EngineService:
                            device=be.device_name, modes=tuple(be.modes),
                            max_context=be.max_context, fallback=eng.fallback_reason,
                            warnings=warnings, generation=dict(eng.model_file.generation or {}),
-                           spec_modes=tuple(be.spec_modes))
+                           spec_modes=tuple(be.spec_modes), spec_auto=be.spec_auto)
         return cls(be, eng.tokenizer, eng.model_file, info)
 
     def close(self) -> None:

@@ -556,7 +556,9 @@ async def test_the_dialogs_stay_usable_at_60x20(dirs, tiny_model_path):
 @pytest.mark.slow
 @aio
 async def test_esc_stops_keeps_partial_reply_and_keys_work_while_streaming(dirs, tiny_model_path):
-    use_settings(max_new_tokens=3000)
+    # plain decoding: the pacing below wraps the backend's generate(), which speculation's
+    # loop does not call
+    use_settings(max_new_tokens=3000, speculation="off")
     store = ChatStore()   # a long earlier chat, so the message list overflows and scrolls
     chat = store.new_chat("long", "tiny")
     for i in range(8):
@@ -676,7 +678,7 @@ async def test_speculation_setting_gives_the_same_reply_and_shows_what_was_kept(
         await pilot.press("ctrl+s")
         await pilot.pause()
         select = app.screen.query_one("#speculation")
-        assert [o[1] for o in select._options] == ["off", "ngram", "draft"]
+        assert [o[1] for o in select._options] == ["auto", "off", "ngram", "draft"]
         assert select.value == "ngram"
         select.value = "off"
         await pilot.press("ctrl+s")

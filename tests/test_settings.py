@@ -49,7 +49,7 @@ def test_missing_file_gives_defaults_silently(tmp_path):
     ({"max_new_tokens": "0"}, "max_new_tokens", "Max new tokens must be a whole number from 1"),
     ({"decode_mode": "turbo"}, "decode_mode", "Decode mode must be one of graph, eager"),
     ({"speculation": "medusa"}, "speculation",
-     "Speculative decoding must be one of off, ngram"),
+     "Speculative decoding must be one of auto, off, ngram"),
     ({"temperature": "nan"}, "temperature", "Temperature must be a number >= 0"),
     ({"cpu_threads": "-1"}, "cpu_threads", "CPU threads must be a whole number from 0"),
     ({"cpu_threads": str((os.cpu_count() or 1) + 1)}, "cpu_threads", "this machine's CPUs"),
@@ -162,7 +162,7 @@ def test_draft_speculation_without_a_draft_model_resets_both_and_keeps_the_rest(
                              "temperature": 0.3}))
     s, warning = load_settings(p)
     assert (s.top_k, s.temperature) == (7, 0.3)
-    assert (s.speculation, s.draft_model) == ("off", "")
+    assert (s.speculation, s.draft_model) == (Settings().speculation, "")
     assert "reset Draft model, Speculative decoding to the defaults" in warning, warning
     assert "Draft model" in warning and "Speculative decoding" in warning
 
@@ -172,7 +172,8 @@ def test_draft_speculation_reset_is_said_with_the_other_bad_fields(tmp_path):
     p.write_text(json.dumps({"speculation": "draft", "draft_model": "", "temperature": -1,
                              "top_k": 7, "bogus": 1}))
     s, warning = load_settings(p)
-    assert (s.top_k, s.temperature, s.speculation) == (7, Settings().temperature, "off")
+    assert (s.top_k, s.temperature, s.speculation) == (7, Settings().temperature,
+                                                        Settings().speculation)
     for words in ("Temperature", "Draft model is needed", "unknown key 'bogus'",
                   "Speculative decoding"):
         assert words in warning, warning

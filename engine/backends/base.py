@@ -50,6 +50,9 @@ class Backend:
     modes: tuple[str, ...] = ("eager",)
     # speculative decoding this backend can verify (engine/spec.py; needs forward_all)
     spec_modes: tuple[str, ...] = ()
+    # the speculation the app's "auto" setting turns on here (None: none): only one measured
+    # faster on screen than plain decoding on this backend (benchmarks/RESULTS.md)
+    spec_auto: str | None = None
 
     def __init__(self, config: ModelConfig, max_context: int) -> None:
         self.config = config

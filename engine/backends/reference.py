@@ -268,6 +268,10 @@ class ReferenceBackend(Backend):
     name = "reference"
     modes = ("eager",)
     spec_modes = SPEC_MODES   # verified with forward_all (the multi-token forward)
+    # prompt lookup in the app on a 2-core CPU (bundled model, 256-token turns, medians of 5;
+    # benchmarks/RESULTS.md, session 37): on screen, new chat / next turn, greedy 70.6 / 66.6
+    # -> 113.9 / 149.9 tok/s, with the app's sampler 65.5 / 64.2 -> 68.8 / 92.2
+    spec_auto = "ngram"
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, torch.Tensor],
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
