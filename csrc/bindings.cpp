@@ -962,6 +962,7 @@ class Engine : public torch::CustomClassHolder {
     check_cuda(cudaStreamSynchronize(stream_),
                "begin_turn: cudaStreamSynchronize (waiting for the previous turn)");
     loop_->reset_turn();
+    loop_->spec_on(false);   // a plain turn unless start_turn says otherwise
     stops_host_[0] = (int32_t)stop_ids.size();
     loop_->host_stops.clear();
     for (size_t i = 0; i < stop_ids.size(); ++i) {
@@ -989,14 +990,34 @@ class Engine : public torch::CustomClassHolder {
   // new messages) getting it back costs about the switch interval (0.5 ms in the app): the
   // nine calls and ops this replaces (finish, three copies, a fill, begin_turn, prefill,
   // start, start_ns) took 4-6 ms of the app's Enter -> text on the H200.
+  //
+  // spec: [] plain decoding, or prompt-lookup speculation on the device (engine.h DecodeLoop
+  // spec_on; kernels.h spec_draft / spec_accept) as [k_start, k_min, k_max, min_n, max_n]
+  // (engine/spec.py's NgramDrafter sizes; 1 <= k_min <= k_start <= k_max < kMaxVerify, 1 <=
+  // min_n <= max_n <= 64): the turn's n_steps steps are then speculative steps, which stop on
+  // the device once the turn has n_steps + 1 ids; params_i[3] (the n-gram watch) must be 0.
   int64_t start_turn(std::vector<int64_t> stop_ids, std::vector<double> params_f,
                   std::vector<int64_t> params_i, std::vector<int64_t> page_table,
                   const Tensor& ids, int64_t pos0, int64_t n_steps, bool graph,
-                  int64_t run_ahead) {
+                  int64_t run_ahead, std::vector<int64_t> spec) {
     const char* op = "start_turn";
     check_stops(stop_ids, op);
     NQ_CHECK(params_f.size() == 4 && params_i.size() == 4, op, ": params_f and params_i hold 4 ",
              "values each, got ", (int64_t)params_f.size(), " and ", (int64_t)params_i.size());
+    const bool on = !spec.empty();
+    if (on) {
+      NQ_CHECK(spec.size() == 5, op, ": spec holds [k_start, k_min, k_max, min_n, max_n] or ",
+               "nothing, got ", (int64_t)spec.size(), " values");
+      NQ_CHECK(1 <= spec[1] && spec[1] <= spec[0] && spec[0] <= spec[2] &&
+                   spec[2] < nanoqwen::kMaxVerify,
+               op, ": draft lengths k_min=", spec[1], " <= k_start=", spec[0], " <= k_max=",
+               spec[2], " < ", nanoqwen::kMaxVerify, " do not hold");
+      NQ_CHECK(1 <= spec[3] && spec[3] <= spec[4] && spec[4] <= 64, op, ": n-gram sizes min_n=",
+               spec[3], " <= max_n=", spec[4], " (1..64) do not hold");
+      NQ_CHECK(params_i[3] == 0, op, ": speculation on the device drafts every step; the n-gram ",
+               "watch (params_i[3]) must be 0");
+      NQ_CHECK(n_steps + 1 < ((int64_t)1 << 31), op, ": n_steps=", n_steps, " is too many");
+    }
     NQ_CHECK((int64_t)page_table.size() <= (int64_t)a_.table_len, op, ": ",
              (int64_t)page_table.size(), " page table entries, the table holds ",
              (int64_t)a_.table_len);
@@ -1012,15 +1033,32 @@ class Engine : public torch::CustomClassHolder {
     float pf[4];
     for (int i = 0; i < 4; ++i) pf[i] = (float)params_f[i];
     const int64_t zero = 0;
+    if (on) {   // everything checked: the first speculative turn's buffers (GIL held: ATen)
+      if (v_.empty()) alloc_verify();
+      if (!spec_state_.defined()) alloc_spec();
+    }
+    int32_t st[nanoqwen::kSpecStateLen] = {};
+    if (on) {
+      st[nanoqwen::kSpecK] = (int32_t)spec[0];
+      st[nanoqwen::kSpecKMin] = (int32_t)spec[1];
+      st[nanoqwen::kSpecKMax] = (int32_t)spec[2];
+      st[nanoqwen::kSpecMinN] = (int32_t)spec[3];
+      st[nanoqwen::kSpecMaxN] = (int32_t)spec[4];
+      st[nanoqwen::kSpecTotal] = (int32_t)(n_steps + 1);
+    }
     NoGil nogil;
     const c10::cuda::CUDAGuard dg(device_);
     finish_nogil();
+    // the speculative graph at the first speculative turn in graph mode, the stream idle (a
+    // refusal leaves a note and eager speculative steps: spec_note())
+    if (on && graph) check_engine(loop_->capture_spec(), "capturing the speculative step");
     // pageable sources: each copy has left them when it returns; begin_turn syncs after them
     const auto h2d = [&](void* dst, const void* src, size_t bytes, const char* what) {
       check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_),
                  std::string("start_turn: cudaMemcpyAsync of ") + what + " (" +
                      std::to_string(bytes) + " bytes) to the device");
     };
+    if (on) h2d(sargs_.state, st, sizeof(st), "speculation's state");
     h2d(const_cast<float*>(a_.params_f), pf, sizeof(pf), "the sampler's params_f");
     h2d(const_cast<int64_t*>(a_.params_i), params_i.data(), 4 * sizeof(int64_t),
         "the sampler's params_i");
@@ -1031,6 +1069,7 @@ class Engine : public torch::CustomClassHolder {
     begin_turn_nogil(stop_ids);
     prefill_nogil(ids.data_ptr<int32_t>(), T, pos0, true, graph);
     loop_->set_graph(graph);
+    loop_->spec_on(on);
     if (n_steps > 0) loop_->start(n_steps, (int)run_ahead);
     // the stamp ran before the prefill's kernels, long done by now unless the stream failed
     const volatile uint64_t* stamp = loop_->start_stamp();
@@ -1344,6 +1383,18 @@ class Engine : public torch::CustomClassHolder {
   }
   std::string verify_note() { return vnote_; }
 
+  // The latest speculative turn's figures so far: [ids drafted, drafts kept, verify steps]
+  // (spec_accept writes them to pinned host memory as each verify step ends; no sync).
+  std::vector<int64_t> spec_stats() {
+    const volatile int64_t* h = sargs_.host;
+    if (h == nullptr) return {0, 0, 0};
+    return {h[nanoqwen::kSpecHostDrafted], h[nanoqwen::kSpecHostAccepted],
+            h[nanoqwen::kSpecHostVerifySteps]};
+  }
+  // Why graph-mode speculative steps launch eagerly ("" when the speculative graph was captured
+  // or never asked for).
+  std::string spec_note() { return loop_->spec_note(); }
+
   ~Engine() {
     for (cudaGraphExec_t& x : vexec_)
       if (x) cudaGraphExecDestroy(x);
@@ -1478,7 +1529,27 @@ class Engine : public torch::CustomClassHolder {
     v.attn_counters = v_[10].data_ptr<int32_t>();
   }
 
-  std::vector<Tensor> g_, l_, d_, v_;
+  // speculation on the device (engine.h SpecArgs): its rows' positions, draw counters and ids,
+  // the drafter's state; the rows' sampling scratch is verify_sample's (v_[13]: the two never
+  // run at once); the host block is the loop's. After alloc_verify().
+  void alloc_spec() {
+    const int64_t M = nanoqwen::kMaxVerify;
+    const auto i = g_[17].options(), l = g_[19].options();
+    s_ = {at::zeros({M}, i), at::zeros({M}, l), at::zeros({M}, i),
+          at::zeros({nanoqwen::kSpecStateLen}, i)};
+    sargs_.v = vargs_;
+    sargs_.row_pos = s_[0].data_ptr<int32_t>();
+    sargs_.row_counter = s_[1].data_ptr<int64_t>();
+    sargs_.row_ids = s_[2].data_ptr<int32_t>();
+    sargs_.row_work = v_[13].data_ptr<float>();
+    sargs_.state = s_[3].data_ptr<int32_t>();
+    check_engine(loop_->set_spec(&sargs_), "speculation's buffers");
+    spec_state_ = s_[3];
+  }
+
+  std::vector<Tensor> g_, l_, d_, v_, s_;
+  nanoqwen::SpecArgs sargs_;
+  Tensor spec_state_;   // defined once alloc_spec() ran
   nanoqwen::VerifyArgs vargs_;
   cudaGraphExec_t vexec_[nanoqwen::kMaxVerify + 1] = {};   // by T
   bool vgraph_refused_ = false;
@@ -1515,6 +1586,8 @@ TORCH_LIBRARY(nanoqwen, m) {
       .def("verify", &nanoqwen_ops::Engine::verify)
       .def("verify_sample", &nanoqwen_ops::Engine::verify_sample)
       .def("verify_note", &nanoqwen_ops::Engine::verify_note)
+      .def("spec_stats", &nanoqwen_ops::Engine::spec_stats)
+      .def("spec_note", &nanoqwen_ops::Engine::spec_note)
       .def("start", &nanoqwen_ops::Engine::start)
       .def("set_graph", &nanoqwen_ops::Engine::set_graph)
       .def("cancel", &nanoqwen_ops::Engine::cancel)

@@ -185,6 +185,20 @@ cudaError_t launch_verify(const StepArgs& a, const VerifyArgs& v, int T, cudaStr
   return cudaSuccess;
 }
 
+cudaError_t launch_spec_verify(const StepArgs& a, const SpecArgs& sp, int T, cudaStream_t s) {
+  if (T < 2 || T > kMaxVerify)
+    return nq_fail(cudaErrorInvalidValue, "speculative verify step: T=%d ids, 2..%d", T,
+                   kMaxVerify);
+  NQ_TRY(launch_verify(a, sp.v, T, s), "speculative step (T=%d)", T);
+  NQ_TRY(sample_token(sp.row_ids, sp.row_work, sp.v.logits, a.vocab, a.ctx_tokens, a.ctx_capacity,
+                      sp.row_pos, a.params_f, a.params_i, sp.row_counter, s, nullptr, 0, T),
+         "speculative step (T=%d), sample_token of its rows (V=%d)", T, a.vocab);
+  NQ_TRY(spec_accept(sp.v.ids, sp.row_ids, a.token_in, a.pos, a.ctx_tokens, a.ctx_capacity,
+                     a.counter, sp.state, sp.host, a.ring, a.ring_size, a.stops, a.halt, s),
+         "speculative step (T=%d), spec_accept", T);
+  return cudaSuccess;
+}
+
 cudaError_t capture_verify(const StepArgs& a, const VerifyArgs& v, int T, cudaStream_t s,
                            cudaGraphExec_t* out) {
   *out = nullptr;
@@ -251,7 +265,143 @@ DecodeLoop::~DecodeLoop() {
   cudaStreamSynchronize(stream_);
   if (exec_) cudaGraphExecDestroy(exec_);
   if (graph_def_) cudaGraphDestroy(graph_def_);
+  if (spec_exec_) cudaGraphExecDestroy(spec_exec_);
+  if (spec_def_) cudaGraphDestroy(spec_def_);
+  if (spec_host_) cudaFreeHost(spec_host_);
   if (ring_) cudaFreeHost(ring_);
+}
+
+cudaError_t DecodeLoop::set_spec(SpecArgs* s) {
+  if (spec_host_ == nullptr) {
+    void* p = nullptr;
+    const size_t bytes = sizeof(int64_t) * kSpecHostLen;
+    if (const cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocMapped)) {
+      (void)cudaGetLastError();
+      return record(e, "cudaHostAlloc of speculation's %zu-byte host block", bytes);
+    }
+    void* d = nullptr;
+    const cudaError_t de = cudaHostGetDevicePointer(&d, p, 0);
+    if (de != cudaSuccess || d != p) {   // as the ring: the kernels use the host address
+      (void)cudaGetLastError();
+      cudaFreeHost(p);
+      return record(de != cudaSuccess ? de : cudaErrorNotSupported,
+                    "speculation's host block: no device alias at its host address");
+    }
+    std::memset(p, 0, bytes);
+    spec_host_ = static_cast<int64_t*>(p);
+  }
+  s->host = spec_host_;
+  spec_ = s;
+  return cudaSuccess;
+}
+
+cudaError_t DecodeLoop::capture_spec() {
+  if (!ring_ || !spec_)
+    return record(cudaErrorInvalidValue, "capture_spec: %s",
+                  !ring_ ? "the token ring was not allocated" : "no speculation buffers (set_spec)");
+  if (spec_exec_ || !spec_note_.empty()) return cudaSuccess;   // captured, or refused once
+  cudaGraph_t g = nullptr;
+  cudaError_t e = cudaGraphCreate(&g, 0);
+  if (e != cudaSuccess) return record(e, "capture_spec: cudaGraphCreate");
+  const char* failed = "";
+  std::string inner;
+  do {
+    // the halt gate, as the decode graph's: once halted, a queued replay does nothing
+    cudaGraphConditionalHandle hg;
+    failed = "cudaGraphConditionalHandleCreate (the gate)";
+    if ((e = cudaGraphConditionalHandleCreate(&hg, g, 0, cudaGraphCondAssignDefault))) break;
+    failed = "cudaStreamBeginCaptureToGraph (the gate)";
+    if ((e = cudaStreamBeginCaptureToGraph(stream_, g, nullptr, nullptr, 0,
+                                           cudaStreamCaptureModeRelaxed))) break;
+    gate_kernel<<<1, 1, 0, stream_>>>(hg, halt_);
+    const cudaError_t le = cudaGetLastError();
+    cudaGraph_t g2 = g;
+    e = cudaStreamEndCapture(stream_, &g2);
+    failed = "the gate kernel's launch";
+    if (le != cudaSuccess) { e = le; break; }
+    failed = "cudaStreamEndCapture (the gate)";
+    if (e != cudaSuccess) break;
+    cudaGraphNode_t gate = nullptr;
+    size_t n = 1;
+    failed = "cudaGraphGetNodes (the gate)";
+    if ((e = cudaGraphGetNodes(g, &gate, &n))) break;
+    if (n != 1) { e = cudaErrorUnknown; break; }
+    cudaGraphNodeParams pi = {};
+    pi.type = cudaGraphNodeTypeConditional;
+    pi.conditional.handle = hg;
+    pi.conditional.type = cudaGraphCondTypeIf;
+    pi.conditional.size = 1;
+    cudaGraphNode_t if_node = nullptr;
+    failed = "cudaGraphAddNode (the IF node)";
+    if ((e = cudaGraphAddNode(&if_node, g, &gate, nullptr, 1, &pi))) break;
+    cudaGraph_t body = pi.conditional.phGraph_out[0];
+    // in the body: spec_draft, which sets the switch's value, then the switch over the steps
+    cudaGraphConditionalHandle hs;
+    failed = "cudaGraphConditionalHandleCreate (the switch)";
+    if ((e = cudaGraphConditionalHandleCreate(&hs, body, (unsigned)kMaxVerify,
+                                              cudaGraphCondAssignDefault))) break;
+    failed = "cudaStreamBeginCaptureToGraph (spec_draft)";
+    if ((e = cudaStreamBeginCaptureToGraph(stream_, body, nullptr, nullptr, 0,
+                                           cudaStreamCaptureModeRelaxed))) break;
+    const SpecArgs& sp = *spec_;
+    const cudaError_t de = spec_draft(hs, true, a_->pos, a_->ctx_tokens, a_->ctx_capacity,
+                                      a_->counter, sp.state, sp.v.ids, sp.v.pos, sp.row_pos,
+                                      sp.row_counter, sp.host, halt_, kMaxVerify, stream_);
+    if (de != cudaSuccess) inner = take_last_error();
+    cudaGraph_t b2 = body;
+    e = cudaStreamEndCapture(stream_, &b2);
+    failed = "spec_draft's launch";
+    if (de != cudaSuccess) { e = de; break; }
+    failed = "cudaStreamEndCapture (spec_draft)";
+    if (e != cudaSuccess) break;
+    cudaGraphNode_t draft = nullptr;
+    n = 1;
+    failed = "cudaGraphGetNodes (spec_draft)";
+    if ((e = cudaGraphGetNodes(body, &draft, &n))) break;
+    if (n != 1) { e = cudaErrorUnknown; break; }
+    cudaGraphNodeParams ps = {};
+    ps.type = cudaGraphNodeTypeConditional;
+    ps.conditional.handle = hs;
+    ps.conditional.type = cudaGraphCondTypeSwitch;
+    ps.conditional.size = kMaxVerify;   // body d: d drafts (0: a decode step)
+    cudaGraphNode_t sw = nullptr;
+    failed = "cudaGraphAddNode (the switch node)";
+    if ((e = cudaGraphAddNode(&sw, body, &draft, nullptr, 1, &ps))) break;
+    for (int d = 0; d < kMaxVerify && e == cudaSuccess; ++d) {
+      cudaGraph_t bd = ps.conditional.phGraph_out[d];
+      failed = "cudaStreamBeginCaptureToGraph (a step body)";
+      if ((e = cudaStreamBeginCaptureToGraph(stream_, bd, nullptr, nullptr, 0,
+                                             cudaStreamCaptureModeRelaxed))) break;
+      const cudaError_t se = d == 0 ? launch_step(*a_, stream_)
+                                    : launch_spec_verify(*a_, sp, d + 1, stream_);
+      if (se != cudaSuccess) inner = take_last_error();
+      cudaGraph_t bd2 = bd;
+      e = cudaStreamEndCapture(stream_, &bd2);
+      failed = d == 0 ? "the decode step body's launches" : "a verify step body's launches";
+      if (se != cudaSuccess) e = se;
+      else failed = "cudaStreamEndCapture (a step body)";
+    }
+    if (e != cudaSuccess) break;
+    failed = "cudaGraphInstantiate (the speculative graph)";
+    if ((e = cudaGraphInstantiate(&spec_exec_, g, 0))) break;
+    spec_def_ = g;
+    return cudaSuccess;
+  } while (false);
+  // refused: graph-mode speculative steps run as eager ones (spec_note() says why)
+  spec_note_ = std::string("speculative graph unavailable (") + failed +
+               (inner.empty() ? "" : ": " + inner) + ": " + cudaGetErrorString(e) +
+               "); speculative steps launch eagerly";
+  (void)cudaGetLastError();
+  cudaStreamCaptureStatus st;
+  if (cudaStreamIsCapturing(stream_, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone) {
+    cudaGraph_t junk = nullptr;
+    cudaStreamEndCapture(stream_, &junk);
+    if (junk) cudaGraphDestroy(junk);
+  }
+  (void)cudaGetLastError();
+  if (spec_exec_) { cudaGraphExecDestroy(spec_exec_); spec_exec_ = nullptr; }
+  cudaGraphDestroy(g);
+  return cudaSuccess;
 }
 
 cudaError_t DecodeLoop::capture() {
@@ -368,6 +518,11 @@ void DecodeLoop::reset_turn() {
   stop();
   if (ring_) std::memset(ring_, 0, sizeof(int32_t) * 4 * kRingSize);
   if (halt_) *reinterpret_cast<volatile int32_t*>(halt_) = 0;
+  if (spec_host_) {   // the prefill's id is the turn's first: step 1 starts at count 1
+    std::memset(spec_host_, 0, sizeof(int64_t) * kSpecHostLen);
+    spec_host_[kSpecHostCounter] = 1;
+    spec_host_[kSpecHostReplay] = 1;
+  }
   launched_ = 0;
   consumed_ = 0;
   std::lock_guard<std::mutex> lk(mu_);
@@ -413,21 +568,64 @@ void DecodeLoop::thread_main(int64_t n_steps, int run_ahead) {
     thread_done_ = true;
     return;
   }
+  const bool spec = spec_on_ && spec_ != nullptr && spec_host_ != nullptr;
   for (int64_t i = 1; i <= n_steps; ++i) {
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return quit_.load() || i - consumed_.load() <= run_ahead; });
+      if (spec) {   // the device's progress is not signalled: polled
+        while (!(quit_.load() || halted() || spec_room(i, run_ahead)))
+          cv_.wait_for(lk, std::chrono::microseconds(20));
+      } else {
+        cv_.wait(lk, [&] { return quit_.load() || i - consumed_.load() <= run_ahead; });
+      }
     }
     if (quit_.load() || halted()) break;
-    const cudaError_t e = run_step(graph_.load());
+    bool none = false;
+    const cudaError_t e = spec ? run_spec_step(graph_.load(), &none) : run_step(graph_.load());
     if (e != cudaSuccess) {
       set_error(take_last_error());
       if (halt_) *reinterpret_cast<volatile int32_t*>(halt_) = 1;
       break;
     }
     launched_ = i;
+    if (none) break;
   }
   thread_done_ = true;
+}
+
+bool DecodeLoop::spec_room(int64_t i, int run_ahead) const {
+  // step r started at id count c (r read first: c is then r's or a later step's, which only
+  // makes the bound larger); steps r..i emit at most kMaxVerify ids each, and the id x lands
+  // in slot x % kRingSize, which the consumer must have taken (id x - kRingSize) first
+  const volatile int64_t* h = spec_host_;
+  const int64_t r = h[kSpecHostReplay];
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const int64_t c = h[kSpecHostCounter];
+  if (i - r > run_ahead) return false;
+  return c + (i - r + 1) * kMaxVerify <= consumed_.load() + kRingSize;
+}
+
+cudaError_t DecodeLoop::run_spec_step(bool graph, bool* none) {
+  *none = false;
+  if (graph && spec_exec_) {
+    const cudaError_t e = cudaGraphLaunch(spec_exec_, stream_);
+    return e == cudaSuccess ? e : record(e, "cudaGraphLaunch of the speculative step");
+  }
+  // eager (or no speculative graph): the draft, its decision on the host, then that body
+  const SpecArgs& sp = *spec_;
+  cudaError_t e = spec_draft(0, false, a_->pos, a_->ctx_tokens, a_->ctx_capacity, a_->counter,
+                             sp.state, sp.v.ids, sp.v.pos, sp.row_pos, sp.row_counter, sp.host,
+                             halt_, kMaxVerify, stream_);
+  if (e != cudaSuccess) return wrap(e, "speculative step (eager)");
+  if ((e = cudaStreamSynchronize(stream_)) != cudaSuccess)
+    return record(e, "speculative step (eager): cudaStreamSynchronize after spec_draft");
+  const int64_t d = reinterpret_cast<const volatile int64_t*>(spec_host_)[kSpecHostDecision];
+  // the step before may have emitted a stop id (the graph's gate would skip this one)
+  if (d >= kMaxVerify || halted()) {
+    *none = true;
+    return cudaSuccess;
+  }
+  return d == 0 ? launch_step(*a_, stream_) : launch_spec_verify(*a_, sp, (int)d + 1, stream_);
 }
 
 void DecodeLoop::cancel() {

@@ -33,6 +33,8 @@
 #include <thread>
 #include <vector>
 
+#include "kernels.h"
+
 namespace nanoqwen {
 
 // One layer's weights (INT4 g128, quant.py's layout) and KV pages.
@@ -116,6 +118,18 @@ struct VerifyArgs {
   int32_t* attn_counters = nullptr;  // [T, n_kv], zero
 };
 
+// Speculation on the device (spec.cu, kernels.h): the verify step's buffers and, per row of it,
+// the position and draw counter sample_token reads and the id it draws; the drafter's state
+// (device) and the launcher's view of the steps (host, mapped).
+struct SpecArgs {
+  VerifyArgs v;
+  int32_t* row_pos = nullptr;        // [kMaxVerify]
+  int64_t* row_counter = nullptr;    // [kMaxVerify]
+  int32_t* row_ids = nullptr;        // [kMaxVerify]
+  float* row_work = nullptr;         // [kMaxVerify, V] sample_token's scratch
+  int32_t* state = nullptr;          // device [kSpecStateLen]
+  int64_t* host = nullptr;           // host, mapped: [kSpecHostLen] (DecodeLoop allocates it)
+};
 constexpr int kMaxStops = 8;
 constexpr int kRingSize = 256;      // slots in the pinned ring (the run-ahead is below it)
 
@@ -144,6 +158,10 @@ cudaError_t launch_verify(const StepArgs& a, const VerifyArgs& v, int T, cudaStr
 cudaError_t capture_verify(const StepArgs& a, const VerifyArgs& v, int T, cudaStream_t stream,
                            cudaGraphExec_t* out);
 
+// The verify step of a speculative step (T = 2..kMaxVerify ids that spec_draft wrote): launch_verify,
+// sample_token on its T rows (row i at s.row_pos[i] with the turn's sampler and draw
+// s.row_counter[i]), spec_accept. Safe to capture.
+cudaError_t launch_spec_verify(const StepArgs& a, const SpecArgs& s, int T, cudaStream_t stream);
 // Writes the GPU's globaltimer (ns) into *out (host mapped) when the stream reaches it.
 cudaError_t stamp_time(uint64_t* out, cudaStream_t stream);
 
@@ -175,6 +193,19 @@ class DecodeLoop {
   // Start the launcher thread: up to n_steps steps (steps 1..n_steps), each in the mode that
   // set_graph() last chose, at most run_ahead beyond the consumer.
   void start(int64_t n_steps, int run_ahead);
+  // Speculation on the device: set_spec() gives the loop its buffers (once; the host block of
+  // s is allocated here and written back into s). With spec_on(true) a turn's steps are
+  // speculative steps (kernels.h: spec_draft, then a decode step or a verify step), each
+  // emitting 1..kMaxVerify ids: graph mode replays the speculative graph (the halt gate, then
+  // spec_draft and a switch node over the step bodies, captured by capture_spec() at its first
+  // use), eager mode launches spec_draft, waits for its decision and launches that body. The
+  // flow control counts ids: a step is launched only when the ring has room for every id the
+  // steps launched before it can still emit (host[kSpecHostCounter/Replay] say how far the
+  // device is), and at most run_ahead steps ahead of the latest started one.
+  cudaError_t set_spec(SpecArgs* s);
+  void spec_on(bool on) { spec_on_ = on; }
+  cudaError_t capture_spec();
+  std::string spec_note() const { return spec_note_; }
   void set_graph(bool graph) { graph_.store(graph); }
   // Host-side halt (cancel): the GPU's next gate skips the step, the launcher stops.
   void cancel();
@@ -201,6 +232,10 @@ class DecodeLoop {
 
  private:
   void thread_main(int64_t n_steps, int run_ahead);
+  // one speculative step (graph replay, or eager: draft, wait, body); *none: the budget was
+  // spent (nothing launched after the draft)
+  cudaError_t run_spec_step(bool graph, bool* none);
+  bool spec_room(int64_t i, int run_ahead) const;
   bool is_stop(int32_t t) const;
   void set_error(const std::string& e);
 
@@ -214,6 +249,12 @@ class DecodeLoop {
   int32_t* ring_ = nullptr;    // host mapped [kRingSize, 4]
   int32_t* halt_ = nullptr;    // host mapped [1]
   uint64_t* stamp_ = nullptr;  // host mapped [1]
+  SpecArgs* spec_ = nullptr;
+  int64_t* spec_host_ = nullptr;   // host mapped [kSpecHostLen] (SpecArgs::host)
+  bool spec_on_ = false;
+  cudaGraph_t spec_def_ = nullptr;
+  cudaGraphExec_t spec_exec_ = nullptr;
+  std::string spec_note_;
   std::thread thread_;
   std::atomic<bool> graph_{true};
   std::atomic<bool> quit_{false};

@@ -206,4 +206,59 @@ cudaError_t advance_step(int32_t* token_in, int32_t* pos, int32_t* ctx_tokens,
                          const int32_t* sampled, const int32_t* stops, int32_t* halt,
                          const int64_t* params_i, cudaStream_t stream);
 
+// ---- prompt-lookup speculation on the device (spec.cu; engine.h's speculative turn) ----------
+// A speculative step is spec_draft, then either a decode step (launch_step: nothing drafted)
+// or the verify step of T = drafts + 1 ids, sample_token on its T rows and spec_accept.
+// state: device int32 [kSpecStateLen], the turn's configuration (written by the host before the
+// turn), the draft length and the figures; host: pinned mapped int64 [kSpecHostLen].
+constexpr int kSpecDraftThreads = 1024;
+enum : int {
+  kSpecK = 0,          // the draft length now (the turn starts at k_start)
+  kSpecKMin,           // bounds of the draft length
+  kSpecKMax,
+  kSpecMinN,           // n-gram sizes matched, longest first
+  kSpecMaxN,
+  kSpecTotal,          // the turn's budget of ids (the prefill's included): none past it
+  kSpecDrafted,        // figures of the turn: ids drafted, drafts kept, verify steps
+  kSpecAccepted,
+  kSpecVerifySteps,
+  kSpecT,              // this step's T (spec_draft -> spec_accept)
+  kSpecReplays,        // speculative steps started this turn
+  kSpecStateLen = 16
+};
+enum : int {
+  kSpecHostCounter = 0,  // the turn's id count when the latest step started
+  kSpecHostReplay,       // that step's number (1, 2, ...), written after the count
+  kSpecHostDecision,     // its decision: 0 decode step, d >= 1 verify of d drafts, t_max none
+  kSpecHostDrafted,      // the turn's figures so far (spec_accept's copies of state's)
+  kSpecHostAccepted,
+  kSpecHostVerifySteps,
+  kSpecHostLen = 8
+};
+// spec_draft: the drafter on ctx_tokens[0..pos] (pos: the last id's position), for a turn whose
+// id count is *counter: drafts d = min(k, budget left - 1, t_max - 1, room in ctx_tokens, ids
+// after the match) ids; with d >= 1 writes v_ids = [ctx_tokens[pos], drafts], v_pos = pos,
+// row_pos[i] = pos + i, row_counter[i] = counter + i (row i is drawn as the decode step of that
+// id draws it) and the drafts into ctx_tokens[pos + 1..]; state[kSpecT] = d + 1. The decision
+// (0 decode step, d verify, t_max when the budget is spent, which also sets *halt) goes to
+// host[kSpecHostDecision] and, with use_handle, to the switch node's conditional handle (the
+// speculative graph's step bodies, indexed by decision). One block of kSpecDraftThreads threads,
+// no PDL (it starts a graph body). t_max 2..kMaxVerifyQueries.
+cudaError_t spec_draft(cudaGraphConditionalHandle handle, bool use_handle, const int32_t* pos,
+                       int32_t* ctx_tokens, int ctx_capacity, const int64_t* counter,
+                       int32_t* state, int32_t* v_ids, int32_t* v_pos, int32_t* row_pos,
+                       int64_t* row_counter, int64_t* host, int32_t* halt, int t_max,
+                       cudaStream_t stream);
+// spec_accept: the end of a verify step of T = state[kSpecT] ids (v_ids, drawn ids row_ids):
+// the ids it keeps (engine/backends/base.py _verify_step's rule: each row's id is emitted, the
+// draft after it kept iff equal, a rejection or a stop id ends the step, all kept: the last
+// row's id too) go to ctx_tokens and the ring as advance_step writes a decode step's id (their
+// times the step's time shared equally), token_in = the last, pos += their count, counter +=
+// their count; a stop id or the spent budget sets *halt; the draft length adapts
+// (engine/spec.py _Drafter.update) and the figures add up (state, and host's copies).
+cudaError_t spec_accept(const int32_t* v_ids, const int32_t* row_ids, int32_t* token_in,
+                        int32_t* pos, int32_t* ctx_tokens, int ctx_capacity, int64_t* counter,
+                        int32_t* state, int64_t* host, int32_t* host_ring, int ring_size,
+                        const int32_t* stops, int32_t* halt, cudaStream_t stream);
+
 }  // namespace nanoqwen

@@ -35,6 +35,7 @@ SOURCES = (
     "attention.cu",
     "attention_prefill.cu",
     "sampling.cu",
+    "spec.cu",
     "gemv_int4.cu",
     "gemm_int4.cu",
     "gemv_fp16.cu",

@@ -16,6 +16,11 @@ A/B measurements (README, "measurement switches"; the numbers are in benchmarks/
                                sum of squares in parts, the qkv and gate/up
                                GEMVs form the normed x themselves), 0 rmsnorm
                                launches; default NORM_FOLD_DEFAULT
+    NANOQWEN_SPEC_DEVICE=0|1   prompt lookup (speculation "ngram"): 1 drafted,  backends/cuda.py
+                               verified, sampled and accepted on the device
+                               inside the engine's decode loop, 0 the host's
+                               loop (backends/base.py _spec_chunks); default
+                               SPEC_DEVICE_DEFAULT
     NANOQWEN_PREFILL_ATTN_MAX=n  prompt chunks whose context ends at most n      backends/cuda.py
                                positions in take the paged prefill attention
                                kernel, longer ones SDPA over gathered K/V;
@@ -57,6 +62,11 @@ NORM_FOLD = "NANOQWEN_NORM_FOLD"
 # on: the rmsnorm launches of the layers go (2 a layer); what they cost against what the fold
 # adds to the qkv and gate/up GEMVs is measured in benchmarks/RESULTS.md, session 34
 NORM_FOLD_DEFAULT = True
+SPEC_DEVICE = "NANOQWEN_SPEC_DEVICE"
+# on: a speculative turn is the engine's own loop (spec.cu's draft and accept kernels, one
+# graph replay a step, run ahead of the host like plain decoding), so the host takes ids from
+# the ring and holds the GIL for nothing else; 0 measures the host loop it replaces
+SPEC_DEVICE_DEFAULT = True
 # switches that existed and were removed: variable -> why (read_switches refuses them when set)
 REMOVED = {
     "NANOQWEN_FUSE_NORM": "the fused-norm GEMVs it selected decoded at 1.93 ms/token against 1.89 "
@@ -101,6 +111,7 @@ class Switches:
     int4_max_m: int = INT4_MAX_M_DEFAULT      # NANOQWEN_INT4_MAX_M
     prefill_attn_max: int = PREFILL_ATTN_MAX_DEFAULT  # NANOQWEN_PREFILL_ATTN_MAX
     norm_fold: bool = NORM_FOLD_DEFAULT       # NANOQWEN_NORM_FOLD
+    spec_device: bool = SPEC_DEVICE_DEFAULT   # NANOQWEN_SPEC_DEVICE
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -140,4 +151,5 @@ def read_switches(env: Mapping[str, str] | None = None) -> Switches:
                                       "prompt tokens"),
                     prefill_attn_max=_count(env, PREFILL_ATTN_MAX, PREFILL_ATTN_MAX_DEFAULT, 0,
                                             PREFILL_ATTN_MAX_MAX, "positions"),
-                    norm_fold=_flag(env, NORM_FOLD, NORM_FOLD_DEFAULT))
+                    norm_fold=_flag(env, NORM_FOLD, NORM_FOLD_DEFAULT),
+                    spec_device=_flag(env, SPEC_DEVICE, SPEC_DEVICE_DEFAULT))

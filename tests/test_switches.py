@@ -1,6 +1,6 @@
 """The measurement switches (engine/switches.py): every accepted and rejected form of
-NANOQWEN_PDL, NANOQWEN_ATTN_TMA, NANOQWEN_NORM_FOLD, NANOQWEN_ATTN_MIN_PPS, NANOQWEN_INT4_MAX_M
-and NANOQWEN_PREFILL_ATTN_MAX, the removed
+NANOQWEN_PDL, NANOQWEN_ATTN_TMA, NANOQWEN_NORM_FOLD, NANOQWEN_SPEC_DEVICE, NANOQWEN_ATTN_MIN_PPS,
+NANOQWEN_INT4_MAX_M and NANOQWEN_PREFILL_ATTN_MAX, the removed
 NANOQWEN_FUSE_NORM refused when set, the C++ side's constants, and a bad value reaching the user
 as a message (CUDA backend init, loader, CLI, app) instead of a traceback or a silent fallback.
 CPU only: where a path needs CUDA, torch.cuda.is_available is patched to True and the check
@@ -24,12 +24,14 @@ from nanoqwen.engine.switches import (ATTN_MIN_PPS, ATTN_MIN_PPS_DEFAULT, ATTN_M
                                       INT4_MAX_M_MAX, NORM_FOLD, NORM_FOLD_DEFAULT, PDL,
                                       PREFILL_ATTN_MAX,
                                       PREFILL_ATTN_MAX_DEFAULT, PREFILL_ATTN_MAX_MAX, REMOVED,
-                                      SwitchError, Switches, read_switches)
+                                      SPEC_DEVICE, SPEC_DEVICE_DEFAULT, SwitchError, Switches,
+                                      read_switches)
 
 FLAGS = [(PDL, "pdl", True), (ATTN_TMA, "attn_tma", ATTN_TMA_DEFAULT),
-         (NORM_FOLD, "norm_fold", NORM_FOLD_DEFAULT)]  # (variable, field, default)
+         (NORM_FOLD, "norm_fold", NORM_FOLD_DEFAULT),
+         (SPEC_DEVICE, "spec_device", SPEC_DEVICE_DEFAULT)]  # (variable, field, default)
 FUSE_NORM = "NANOQWEN_FUSE_NORM"  # removed: refused when set
-ALL = (PDL, ATTN_TMA, NORM_FOLD, ATTN_MIN_PPS, INT4_MAX_M, PREFILL_ATTN_MAX, *REMOVED)
+ALL = (PDL, ATTN_TMA, NORM_FOLD, SPEC_DEVICE, ATTN_MIN_PPS, INT4_MAX_M, PREFILL_ATTN_MAX, *REMOVED)
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ from ..errors import NanoqwenError
 from ..kv_cache import KVCache
 from ..rope import rope_tables
 from ..service import MODES, PREFILL_WEIGHTS
-from ..spec import K_MAX, SPEC_MODES
+from ..spec import K_MAX, K_START, MAX_N, MIN_N, NGRAM_K_MIN, SPEC_MODES
 from ..switches import read_switches
 from ..synthetic import SyntheticWeights
 from .base import Backend, ModelFileTensors, StepEvent
@@ -57,6 +57,8 @@ COLLECT_TIMEOUT_MS = 100.0  # longest wait inside the core before Python re-chec
 PREFILL_CHUNK = 2048   # prompt tokens per prefill chunk (bounds activation memory)
 MAX_VERIFY = 16        # csrc/engine.h kMaxVerify: tokens of one verify step (forward_all)
 assert K_MAX + 1 <= MAX_VERIFY, "a speculation step verifies the last token and K_MAX drafts"
+# prompt lookup on the device (start_turn's spec; csrc/spec.cu): NgramDrafter's sizes
+SPEC_DEVICE_SIZES = [K_START, NGRAM_K_MIN, K_MAX, MIN_N, MAX_N]
 
 
 @dataclass
@@ -519,13 +521,17 @@ class CudaBackend(Backend):
                         window_s: float = 0.03) -> Iterator[list[StepEvent]]:
         """See Backend.generate_chunks: the first id alone as soon as it lands, then every id
         that landed in each window_s, read from the pinned ring in one C++ wait (no GIL).
-        With speculation on, Backend's loop: drafts verified by the verify step."""
-        if self._spec is not None:
+        Prompt lookup ("ngram") runs inside the engine's own loop (NANOQWEN_SPEC_DEVICE, on by
+        default): every step drafts on the device, and a step with drafts is a verify step
+        whose kept ids land in the ring like decode steps' (csrc/spec.cu); a draft model
+        ("draft"), or prompt lookup with the switch off, is Backend's loop."""
+        if self._spec is not None and not (self._spec == "ngram" and self.switches.spec_device):
             return Backend.generate_chunks(self, new_tokens, params, max_new_tokens, stop_ids,
                                            cancel, window_s)
         new_tokens = self.prepare_generate(new_tokens, params, max_new_tokens)
         return self._chunks_gpu(new_tokens, params, max_new_tokens, frozenset(stop_ids), cancel,
-                                window_s, None)
+                                window_s, None,
+                                spec=SPEC_DEVICE_SIZES if self._spec == "ngram" else None)
 
     spec_runs_plain = True
 
@@ -568,12 +574,15 @@ class CudaBackend(Backend):
                     stop_ids: frozenset[int], cancel: threading.Event | None, window_s: float,
                     max_chunk: int | None, until: Callable[[int], bool] | None = None,
                     run_ahead: int | None = None, seed: int | None = None,
-                    exact_stop: bool = False, watch: int = 0) -> Iterator[list[StepEvent]]:
+                    exact_stop: bool = False, watch: int = 0, spec: list[int] | None = None
+                    ) -> Iterator[list[StepEvent]]:
         """The turn's ids as they land (generate / generate_chunks). With `until` (Backend.
         _plain_run), until(id) is called with every id in order; once it returns True the
         launcher stops, the steps already queued finish (graph steps are gated off), their
         ids are taken too (with `exact_stop`, not: the turn ends at that id) and the
-        generator ends."""
+        generator ends. With `spec` (start_turn's speculation sizes) the steps are the
+        device's speculative steps: each lands 1..MAX_VERIFY ids, the turn's budget and
+        stop ids are kept on the device, and spec_stats follows the device's figures."""
         if cancel is not None and cancel.is_set():
             return
         if len(stop_ids) > MAX_STOP_IDS:
@@ -596,10 +605,13 @@ class CudaBackend(Backend):
             pt = self._reserve_host(n0 + t + steps_max)
             seed, pf, pi = self._sampler_values(params, seed, watch)
             ids = torch.tensor(new_tokens, dtype=torch.int32)
+            if spec:
+                self.spec_stats = dict(drafted=0, accepted=0, verify_steps=0)
             try:   # (the engine's own device and stream)
                 t0_ns = self.core.start_turn(sorted(stop_ids), pf, pi, pt, ids, n0, steps_max,
                                              graph, run_ahead or RUN_AHEAD["graph" if graph
-                                                                           else "eager"])
+                                                                           else "eager"],
+                                             list(spec or []))
             except BaseException:
                 if pt:   # which entries the device holds is not known now
                     self._pt_host = [-1] * len(self._pt_host)
@@ -658,6 +670,8 @@ class CudaBackend(Backend):
                         take(ids, ts, chunk)
                     done = True
                 self.cache.length = len(self.kv_tokens)
+                if spec:
+                    self._take_spec_stats()
                 yield chunk
                 if done or (cancel is not None and cancel.is_set()):
                     return
@@ -667,3 +681,10 @@ class CudaBackend(Backend):
                 # stop are gated off): stop the launcher, wait, then free their pages
                 self.core.finish()
                 self.cache.rollback(len(self.kv_tokens))
+                if spec:
+                    self._take_spec_stats()
+
+    def _take_spec_stats(self) -> None:
+        """spec_stats from the device's figures of the running (or last) speculative turn."""
+        d, a, v = self.core.spec_stats()
+        self.spec_stats = dict(drafted=int(d), accepted=int(a), verify_steps=int(v))

@@ -528,8 +528,9 @@ def test_engine_core_rejects_bad_tensors(untied):
     one = torch.tensor([1, 2, 3], dtype=torch.int32)
 
     def start_turn(stops=(), pf=(1.0, 1.0, 0.0, 1.0), pi=(0, 0, 1, 0), pt=(), ids=one, pos0=0,
-                   n_steps=4):
-        core.start_turn(list(stops), list(pf), list(pi), list(pt), ids, pos0, n_steps, True, 4)
+                   n_steps=4, spec=()):
+        core.start_turn(list(stops), list(pf), list(pi), list(pt), ids, pos0, n_steps, True, 4,
+                        list(spec))
     for kwargs, match in [
             (dict(stops=range(9)), "at most 8"),
             (dict(pf=(1.0,)), "params_f and params_i hold 4 values each, got 1 and 4"),
@@ -541,7 +542,15 @@ def test_engine_core_rejects_bad_tensors(untied):
             (dict(ids=torch.tensor([1, c.vocab_size], dtype=torch.int32)), "outside the vocab"),
             (dict(ids=torch.tensor([], dtype=torch.int32)), "ids must be a contiguous CPU"),
             (dict(pos0=cuda.max_context + 64), "do not fit the cache"),
-            (dict(n_steps=-1), "n_steps=-1")]:
+            (dict(n_steps=-1), "n_steps=-1"),
+            (dict(spec=(4, 3, 12, 2)), "spec holds .k_start, k_min, k_max, min_n, max_n. or "
+                                        "nothing, got 4 values"),
+            (dict(spec=(2, 3, 12, 2, 4)), "k_min=3 <= k_start=2 <= k_max=12 < 16 do not hold"),
+            (dict(spec=(4, 3, 16, 2, 4)), "k_max=16 < 16 do not hold"),
+            (dict(spec=(4, 0, 12, 2, 4)), "k_min=0 <= k_start=4"),
+            (dict(spec=(4, 3, 12, 5, 4)), "min_n=5 <= max_n=4 .1..64. do not hold"),
+            (dict(spec=(4, 3, 12, 2, 4), pi=(0, 0, 1, 2)), "the n-gram watch .params_i.3.. "
+                                                           "must be 0")]:
         with pytest.raises(RuntimeError, match=match):
             start_turn(**kwargs)
     # none of that touched the turn the backend starts next

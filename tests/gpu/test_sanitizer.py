@@ -1,7 +1,8 @@
 """compute-sanitizer memcheck, racecheck and synccheck of attention_decode and attention_prefill
-at partial-page lengths, of attention_verify (the verify step's attention), and of gemv_fp16's
+at partial-page lengths, of attention_verify (the verify step's attention), of gemv_fp16's
 rows kernel (the verify step's lm_head at 5-16 columns: a per-warp cp.async ring) at ragged
-shapes (this file, run as a script under the sanitizer), clean. Skipped where compute-sanitizer is absent."""
+shapes, and of speculation's spec_draft / spec_accept in engine turns (this file, run as a
+script under the sanitizer), clean. Skipped where compute-sanitizer is absent."""
 
 from __future__ import annotations
 
@@ -73,6 +74,53 @@ def test_attention_verify_sanitizer_clean(tool):
     r = subprocess.run(sanitizer_cmd(tool, Path(__file__), "attn_decode", "verify"),
                        capture_output=True, text=True, timeout=400)
     _check(tool, r)
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "synccheck"])
+def test_speculation_kernels_sanitizer_clean(tool):
+    """spec_draft (its block-wide scan of ctx_tokens and max of the matches) and spec_accept (the
+    ids into ctx_tokens and the pinned ring) in speculative turns of the bundled model, greedy
+    and sampled with a penalty, eager (spec_draft, its decision read back, the body: the graph
+    replays the same kernels): this file run as a script with "spec" (each reply the plain
+    one, as tests/gpu/test_spec_device.py checks). Not racecheck: under it a whole engine
+    faults in its first decode step's advance_kernel (an illegal address on the pinned ring,
+    before any speculation; seen in session 33 and again in session 37's first run), so
+    racecheck covers kernels run alone (the tests above); spec_accept is one thread with no
+    shared memory, and spec_draft's one shared array is read only after __syncthreads."""
+    r = subprocess.run(sanitizer_cmd(tool, Path(__file__), "spec_", "spec"), capture_output=True,
+                       text=True, timeout=400)
+    _check(tool, r)
+
+
+def _run_spec() -> int:
+    """Standalone body for the sanitizer: speculative turns on the device against plain
+    decoding's replies; exits non-zero if any differs or nothing was drafted."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: test_spec
+    from test_spec import MODEL, PROMPTS, prompt_ids, run
+
+    from nanoqwen.engine.loader import load
+    from nanoqwen.engine.sampling import SamplerParams
+
+    if not MODEL.is_file():
+        print("the bundled model is absent")
+        return 1
+    eng = load(MODEL, backend="cuda")
+    be = eng.backend
+    be.mode = "eager"
+    ok = True
+    for params in (SamplerParams.greedy_params(),
+                   SamplerParams(temperature=0.8, seed=3, repeat_penalty=1.1, repeat_last_n=64)):
+        for text in PROMPTS[:2]:
+            ids = prompt_ids(eng, text)
+            plain = run(be, ids, params, 60, None)
+            out = run(be, ids, params, 60, "ngram")
+            st = be.spec_stats
+            print(f"speculation temperature={params.temperature}: {len(out)} ids, the plain reply "
+                  f"{out == plain}, {st}")
+            ok &= out == plain and st["verify_steps"] > 0
+    eng.close()
+    torch.cuda.synchronize()
+    return 0 if ok else 1
 
 
 def _run_gemv_fp16_rows() -> int:
@@ -205,4 +253,4 @@ def _run_verify() -> int:
 if __name__ == "__main__":
     mode = sys.argv[1:]
     sys.exit(_run_gemv_fp16_rows() if mode == ["rows"] else _run_verify() if mode == ["verify"]
-             else _run_attention_decode())
+             else _run_spec() if mode == ["spec"] else _run_attention_decode())

@@ -346,9 +346,21 @@ def test_greedy_speculation_with_a_penalty_is_plain_greedy(bundled, mode):
 
 
 def test_speculation_stop_cancel_and_sampling_keep_the_cache_exact(bundled):
+    """The host loop (NANOQWEN_SPEC_DEVICE=0; its plain runs queue SPEC_RUN_AHEAD steps, which
+    bounds the ids a cancel finds under way); the device's loop: test_spec_device.py."""
+    import dataclasses
+
     from test_spec import PROMPTS, invariant, prompt_ids, run
 
     be = bundled.backend
+    be.switches = dataclasses.replace(be.switches, spec_device=False)
+    try:
+        _stop_cancel_sampling(bundled, be, PROMPTS, invariant, prompt_ids, run)
+    finally:
+        be.switches = dataclasses.replace(be.switches, spec_device=True)
+
+
+def _stop_cancel_sampling(bundled, be, PROMPTS, invariant, prompt_ids, run):
     ids = prompt_ids(bundled, PROMPTS[0])
     plain = run(be, ids, GREEDY, 160, None)
     counts: dict[int, int] = {}
