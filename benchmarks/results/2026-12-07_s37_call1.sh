@@ -11,13 +11,15 @@ source benchmarks/device_setup.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 ab() {  # ab NAME: the presets' decode and the speculation figures of this tree
   for m in 3b 14b 32b; do t "bench $m ($1)"; bj "bench_${m}_$1_$C" --synthetic $m -p 512 -n 128 -r 5 --mode graph; done
-  t "speculation ($1)"
+  t "speculation ($1), the host loop (verify-one-call's path since the device loop landed)"
+  export NANOQWEN_SPEC_DEVICE=0
   timeout 60 python3 benchmarks/bench_spec.py --backend cuda -n 200 --reps 3 \
     --json "$R/bench_spec_greedy_$1_$C.json" 2>&1 | tail -2
   timeout 60 python3 benchmarks/bench_spec.py --backend cuda --temp 0.8 -n 200 --reps 3 \
     --json "$R/bench_spec_t08_$1_$C.json" 2>&1 | tail -2
   timeout 90 python3 benchmarks/bench_app.py --backend cuda --mode graph --spec ngram --reps 3 \
     --tokens 256 --quiet --json "$R/app_tiny_graph_spec-ngram_$1_$C.json" 2>&1 | sed -n 1,6p
+  unset NANOQWEN_SPEC_DEVICE
 }
 both() { patch $1 -p1 -s < benchmarks/attempts/gemv-family-rows.patch &&
          patch $1 -p1 -s < benchmarks/attempts/verify-one-call.patch && build; }
