@@ -17,7 +17,7 @@ from nanoqwen.engine import convert
 from nanoqwen.engine.cli import main
 from nanoqwen.engine.config import ModelConfig
 from nanoqwen.engine.convert import convert_hf, synthetic
-from nanoqwen.engine.errors import FormatError, NanoqwenError
+from nanoqwen.engine.errors import FormatError
 from nanoqwen.engine.format import expected_tensors, open_model
 from nanoqwen.engine.quant import quantize
 

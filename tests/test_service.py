@@ -10,7 +10,6 @@ import ast
 import math
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import pytest
 from nanoqwen.engine import (BATCH_SECONDS, Batch, EngineService, Failed, Finished, SeenMeter,
                              describe_error)
 from nanoqwen.engine.sampling import SamplerParams
-from nanoqwen.engine.session import ChatSession, Done, Stats, TextDelta, TokenIds
+from nanoqwen.engine.session import Done, Stats, TextDelta, TokenIds
 
 from test_app import greedy_reply
 

@@ -6,7 +6,6 @@ shapes with random weights (2 of its 28 layers, so the fp32 oracle stays quick).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 
