@@ -22,3 +22,18 @@ def gen():
     seed = torch.randint(0, 2**31 - 1, (1,)).item()
     print(f"seed={seed}")
     return torch.Generator(device="cuda").manual_seed(seed)
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    """The bundled (trained) model on the CUDA engine, for speculation's real acceptance
+    (test_verify.py, test_spec_device.py); one load a module."""
+    from test_spec import MODEL
+
+    from nanoqwen.engine.loader import load
+
+    if not MODEL.is_file():
+        pytest.skip("the bundled model is absent")
+    eng = load(MODEL, backend="cuda")
+    yield eng
+    eng.close()

@@ -30,19 +30,6 @@ SAMPLERS = {
 }
 
 
-@pytest.fixture(scope="module")
-def bundled():
-    from test_spec import MODEL
-
-    from nanoqwen.engine.loader import load
-
-    if not MODEL.is_file():
-        pytest.skip("the bundled model is absent")
-    eng = load(MODEL, backend="cuda")
-    yield eng
-    eng.close()
-
-
 def _on_device(be, on: bool) -> None:
     be.switches = dataclasses.replace(be.switches, spec_device=on)
 

@@ -293,19 +293,6 @@ def test_verify_sample_refuses_what_it_cannot_run(tiny):
 
 
 # --- speculation on the CUDA engine (the bundled model: real acceptance) ---------------------------
-@pytest.fixture(scope="module")
-def bundled():
-    from test_spec import MODEL
-
-    from nanoqwen.engine.loader import load
-
-    if not MODEL.is_file():
-        pytest.skip("the bundled model is absent")
-    eng = load(MODEL, backend="cuda")
-    yield eng
-    eng.close()
-
-
 @pytest.mark.parametrize("which", [0, 1, 2])
 @pytest.mark.parametrize("mode", ["graph", "eager"])
 def test_greedy_speculation_is_plain_greedy(bundled, which, mode):
