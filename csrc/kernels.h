@@ -242,8 +242,10 @@ enum : int {
 // id draws it) and the drafts into ctx_tokens[pos + 1..]; state[kSpecT] = d + 1. The decision
 // (0 decode step, d verify, t_max when the budget is spent, which also sets *halt) goes to
 // host[kSpecHostDecision] and, with use_handle, to the switch node's conditional handle (the
-// speculative graph's step bodies, indexed by decision). One block of kSpecDraftThreads threads,
-// no PDL (it starts a graph body). t_max 2..kMaxVerifyQueries.
+// speculative graph's step bodies, indexed by decision). With *halt set (the turn halted: a
+// cancel, a stop id, the spent budget) it is the graph's halt gate instead: decision t_max
+// (no body runs), nothing else written. One block of kSpecDraftThreads threads, no PDL (it
+// starts the graph). t_max 2..kMaxVerifyQueries.
 cudaError_t spec_draft(cudaGraphConditionalHandle handle, bool use_handle, const int32_t* pos,
                        int32_t* ctx_tokens, int ctx_capacity, const int64_t* counter,
                        int32_t* state, int32_t* v_ids, int32_t* v_pos, int32_t* row_pos,
