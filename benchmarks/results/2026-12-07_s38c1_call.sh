@@ -5,7 +5,9 @@
 #     sampler (the evidence for CudaBackend.spec_auto = "ngram": "auto" turns it on on the GPU);
 #  3. attention's split sizing per preset (session 36's call2: NANOQWEN_ATTN_MIN_PPS 2/4/8 at
 #     depth 0 and 2048 on 0.5B, 1.5B, 3B, 7B; kernel sweeps at the 7B's and 1.5B's shapes);
-#  4. attempts/gemv-family-rows.patch: B, its GEMV tests, then A again if time is left.
+#  4. the speculative graph without its gate kernel and IF node (a1abd21; the tree's) against
+#     with them (results/2026-12-07_s38_spec-gate.patch reversed): bench_spec_device, 7B and bundled;
+#  5. attempts/gemv-family-rows.patch: B, its GEMV tests, then A again if time is left.
 source benchmarks/device_prelude.sh
 {
 source benchmarks/device_setup.sh
@@ -29,6 +31,17 @@ for m in 0.5b 1.5b 3b 7b; do for d in 0 2048; do for p in 2 4 8; do
   t "$m min_pps $p depth $d"
   NANOQWEN_ATTN_MIN_PPS=$p bj "pps_${m}_${p}_d${d}_$C" --synthetic $m -p 512 -n 128 -r 5 -d $d --mode graph
 done; done; done
+sd() {  # the speculative graph's cost where nothing drafts (7B) and its gain where drafts come
+  t "bench_spec_device 7b ($1)"
+  timeout 90 python3 benchmarks/bench_spec_device.py --synthetic 7b --reps 3 -n 128 \
+    --json "$R/bench_spec_device_7b_$1_$C.json" 2>&1 | tail -7
+  t "bench_spec_device, bundled model ($1)"
+  timeout 90 python3 benchmarks/bench_spec_device.py --reps 3 -n 200 \
+    --json "$R/bench_spec_device_tiny_$1_$C.json" 2>&1 | tail -9
+}
+sd gate-in-draft
+patch -R -p1 -s < benchmarks/results/2026-12-07_s38_spec-gate.patch && build
+sd gate-if
 if [ $(left) -gt 150 ]; then
   patch -p1 -s < benchmarks/attempts/gemv-family-rows.patch && build
   presets B1
