@@ -17,6 +17,9 @@ timeout 240 python3 -m pytest tests/gpu -q --tb=short -p no:cacheprovider -n 4 \
 t "bench_verify 7b (t(k) at min_pps 8)"
 timeout 100 python3 benchmarks/bench_verify.py --preset 7b --reps 10 \
   --json "$R/bench_verify_7b_$C.json" 2>&1 | grep -vE "^(qkv|o |gate|down|lm_head|op |GEMV)" | head -24
+t "bench_verify 7b at min_pps 2 (t(k) before the change, same machine)"
+NANOQWEN_ATTN_MIN_PPS=2 timeout 100 python3 benchmarks/bench_verify.py --preset 7b --reps 10 \
+  --json "$R/bench_verify_7b_pps2_$C.json" 2>&1 | grep -vE "^(qkv|o |gate|down|lm_head|op |GEMV)" | head -24
 t "bench_spec_device 7b"
 timeout 60 python3 benchmarks/bench_spec_device.py --synthetic 7b --reps 3 -n 128 \
   --json "$R/bench_spec_device_7b_$C.json" 2>&1 | tail -7
@@ -31,6 +34,11 @@ if [ $(left) -gt 130 ]; then
     timeout $(( $(left) - 10 )) python3 -m pytest tests/gpu/test_gemv.py -q --tb=short \
       -p no:cacheprovider -n 4 2>&1 | tail -3; fi
 fi
+for m in 0.5b 7b; do for d in 0 2048; do
+  [ $(left) -gt 20 ] || break 2
+  t "$m min_pps 16 depth $d (against 8, the new default: the presets above and call 1)"
+  NANOQWEN_ATTN_MIN_PPS=16 bj "pps_${m}_16_d${d}_$C" --synthetic $m -p 512 -n 128 -r 5 -d $d --mode graph
+done; done
 t "done"
 } 2>&1 | tee "$OUT/s39c1_$C.log"
 tar -C "$R" -czf "$OUT/s39c1_$C.tgz" .
