@@ -27,7 +27,7 @@ DECODE_MODES = MODES  # the engine's decode modes (engine/service.py)
 # speculative decoding: off, or a drafter of engine/spec.py ("ngram": prompt lookup, "draft":
 # the model file draft_model, a smaller one of the same tokenizer), or "auto": what the loaded
 # backend is measured faster with on screen (Backend.spec_auto: prompt lookup on the CPU's
-# reference backend; none yet on the CUDA engine, until a GPU test run covers turning it on)
+# reference backend and on the CUDA engine, where it runs inside the engine's loop)
 SPECULATION = ("auto", "off", "ngram", "draft")
 SPECULATION_NAMES = {"auto": "auto", "off": "off", "ngram": "prompt lookup",
                      "draft": "draft model"}

@@ -196,9 +196,9 @@ class DecodeLoop {
   // Speculation on the device: set_spec() gives the loop its buffers (once; the host block of
   // s is allocated here and written back into s). With spec_on(true) a turn's steps are
   // speculative steps (kernels.h: spec_draft, then a decode step or a verify step), each
-  // emitting 1..kMaxVerify ids: graph mode replays the speculative graph (the halt gate, then
-  // spec_draft and a switch node over the step bodies, captured by capture_spec() at its first
-  // use), eager mode launches spec_draft, waits for its decision and launches that body. The
+  // emitting 1..kMaxVerify ids: graph mode replays the speculative graph (spec_draft, which is
+  // also its halt gate, then a switch node over the step bodies, captured by capture_spec() at
+  // its first use), eager mode launches spec_draft, waits for its decision and launches that body. The
   // flow control counts ids: a step is launched only when the ring has room for every id the
   // steps launched before it can still emit (host[kSpecHostCounter/Replay] say how far the
   // device is), and at most run_ahead steps ahead of the latest started one.

@@ -122,7 +122,10 @@ cudaError_t attention_prefill(half* out, const half* q, const half* k_cache, con
 // argument, not read from the environment: 0 means kDecMinPpsDefault, 1..kDecMinPpsMax is used
 // as given, anything else fails without launching (the torch op checks it first). A host int
 // baked into the launch, so a captured graph keeps it.
-constexpr int kDecMinPpsDefault = 2;  // measured fastest on the H200 (benchmarks/RESULTS.md)
+// 8: end to end the fastest of 2 / 4 / 8 on every preset from 0.5B to 7B, after 512 and after
+// 2048 cached tokens (H100, benchmarks/RESULTS.md, session 38: 7B 2.138 -> 2.076 ms/token at
+// 512, 0.5B after 2048 0.659 -> 0.575); from 33 * 8 pages on, ceil(pages / splits) decides.
+constexpr int kDecMinPpsDefault = 8;
 // 8192 pages = 131072 tokens: larger values change nothing at Qwen2.5-Coder contexts (one split
 // per kv head already), and the bound keeps split * pps far inside int. engine/switches.py
 // validates NANOQWEN_ATTN_MIN_PPS against the same two constants (tests/test_switches.py).
@@ -242,8 +245,10 @@ enum : int {
 // id draws it) and the drafts into ctx_tokens[pos + 1..]; state[kSpecT] = d + 1. The decision
 // (0 decode step, d verify, t_max when the budget is spent, which also sets *halt) goes to
 // host[kSpecHostDecision] and, with use_handle, to the switch node's conditional handle (the
-// speculative graph's step bodies, indexed by decision). One block of kSpecDraftThreads threads,
-// no PDL (it starts a graph body). t_max 2..kMaxVerifyQueries.
+// speculative graph's step bodies, indexed by decision). With *halt set (the turn halted: a
+// cancel, a stop id, the spent budget) it is the graph's halt gate instead: decision t_max
+// (no body runs), nothing else written. One block of kSpecDraftThreads threads, no PDL (it
+// starts the graph). t_max 2..kMaxVerifyQueries.
 cudaError_t spec_draft(cudaGraphConditionalHandle handle, bool use_handle, const int32_t* pos,
                        int32_t* ctx_tokens, int ctx_capacity, const int64_t* counter,
                        int32_t* state, int32_t* v_ids, int32_t* v_pos, int32_t* row_pos,

@@ -58,8 +58,13 @@ spec_draft_kernel(cudaGraphConditionalHandle handle, int use_handle, const int32
                   int32_t* v_ids, int32_t* v_pos, int32_t* row_pos, int64_t* row_counter,
                   int64_t* host, int32_t* halt, int t_max) {
   __shared__ long long red[kSpecDraftThreads / 32];
-  // launched without PDL, first in its body (graph) or after a whole step (eager): every
-  // earlier write is visible
+  // launched without PDL, first in its graph or after a whole step (eager): every earlier
+  // write is visible. It is also the speculative graph's halt gate (the decode graph's
+  // gate_kernel): *halt (mapped host memory: the host's cancel, a stop id, the spent budget) is
+  // read by thread 0 here and used only after the scan, which writes nothing, so its PCIe round
+  // trip overlaps the scan; a halted turn's queued replays change nothing and run no body.
+  int halted = 0;
+  if (threadIdx.x == 0) halted = *reinterpret_cast<const volatile int32_t*>(halt);
   const int p = pos[0];            // the last id's position: ctx_tokens[p] is token_in
   const int64_t c = counter[0];    // ids of the turn so far
   const int total = state[kSpecTotal];
@@ -98,6 +103,11 @@ spec_draft_kernel(cudaGraphConditionalHandle handle, int use_handle, const int32
   }
   best = block_max(best, red);
   if (threadIdx.x != 0) return;
+  if (halted != 0) {   // the gate: no body, nothing written but the decision
+    reinterpret_cast<volatile int64_t*>(host)[kSpecHostDecision] = t_max;
+    if (use_handle) cudaGraphSetConditional(handle, (unsigned)t_max);
+    return;
+  }
   int kd = 0;
   if (best >= 0) {
     const int q = (int)(best & 0xffffffffLL);

@@ -74,7 +74,9 @@ REMOVED = {
                           "(benchmarks/RESULTS.md)",
 }
 
-ATTN_MIN_PPS_DEFAULT = 2
+# 8 (was 2): end to end the fastest of 2 / 4 / 8 on the 0.5B, 1.5B, 3B and 7B after 512 and
+# after 2048 cached tokens (fewer, longer splits; benchmarks/RESULTS.md, session 38)
+ATTN_MIN_PPS_DEFAULT = 8
 # 8192 pages = 131072 tokens, 4x the Qwen2.5-Coder context: a value at or above a context's page
 # count already means one split per kv head, so larger ones change nothing, and the bound keeps
 # the kernel's int page arithmetic (split * pages_per_split) far from overflow.

@@ -43,7 +43,7 @@ def env(monkeypatch):
 
 
 def test_defaults_when_unset_or_empty(env):
-    assert read_switches() == Switches(pdl=True, attn_min_pps=2)
+    assert read_switches() == Switches(pdl=True, attn_min_pps=8)
     for name in ALL:
         env(name, "")
     assert read_switches() == Switches()

@@ -100,6 +100,14 @@ class CudaBackend(Backend):
     # MAX_VERIFY tokens in one pass over the weights, each row's logits as a decode step's
     spec_modes = SPEC_MODES
 
+    @property
+    def spec_auto(self) -> str | None:
+        """Prompt lookup where it runs inside the engine's loop (NANOQWEN_SPEC_DEVICE, the
+        default): measured faster on screen than plain decoding in the app, greedy and with the
+        app's sampler (benchmarks/RESULTS.md, sessions 37-38); the host loop (the switch off)
+        was slower there, so "auto" then means none."""
+        return "ngram" if self.switches.spec_device else None
+
     def __init__(self, config: ModelConfig, tensors: Mapping[str, torch.Tensor],
                  max_context: int | None = None, mode: str = "graph",
                  device: str | torch.device | None = None, prefill_weights: str = "auto",

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from nanoqwen.engine import rope
+from nanoqwen.engine.switches import ATTN_MIN_PPS_DEFAULT
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -56,7 +57,7 @@ class Case:
     def __init__(self, gen, d, nh, nkv, pos, num_pages, splits, min_pps=0, kernel=0):
         self.d, self.nh, self.nkv, self.pos0, self.splits = d, nh, nkv, pos, splits
         self.kernel = kernel
-        self.min_pps = min_pps  # 0: the op's default (kDecMinPpsDefault = 2)
+        self.min_pps = min_pps  # 0: the op's default (kDecMinPpsDefault)
         self.table = torch.randperm(num_pages, generator=gen, device="cuda").int()
         self.kc = torch.randn(num_pages, PAGE, nkv, d, generator=gen, device="cuda").half()
         self.vc = torch.randn(num_pages, PAGE, nkv, d, generator=gen, device="cuda").half()
@@ -140,7 +141,7 @@ def test_attention_decode(gen, kernel, d, nh, nkv, L, splits):
 @pytest.mark.parametrize("min_pps", [0, 1, 2, 3, 64, 8192])
 @pytest.mark.parametrize("L", [17, 49, 1000, MAX_CTX])
 def test_split_sizing_policies(gen, kernel, min_pps, L):
-    """The min_pps argument (minimum pages per split; 0 = the default 2) changes only the
+    """The min_pps argument (minimum pages per split; 0 = the default, 8) changes only the
     summation order: every setting matches the references. And the kernel really used it:
     exactly the active splits write their ws_ml slot, n_active = ceil(pages / pps) with
     pps = max(ceil(pages / 66), min_pps), so the slots left NaN show the policy it ran."""
@@ -149,7 +150,7 @@ def test_split_sizing_policies(gen, kernel, min_pps, L):
     ws = c.ws()
     c.fused(ws=ws)
     pages = -(-L // PAGE)
-    pps = max(-(-pages // 66), min_pps or 2)
+    pps = max(-(-pages // 66), min_pps or ATTN_MIN_PPS_DEFAULT)
     n_active = -(-pages // pps)
     written = ~ws[1].isnan().any(-1)  # [nh, splits]
     assert written[:, :n_active].all() and not written[:, n_active:].any()
@@ -159,7 +160,8 @@ def test_min_pps_fixed_per_call_in_one_process(gen):
     """Policies switched between calls in one process (what bench_attention's sweep does):
     each call uses its own argument (the op keeps no per-process copy of it)."""
     c = Case(gen, 128, 28, 4, MAX_CTX - 1, MAX_CTX // PAGE, 66)
-    for min_pps, n_active in [(1, 64), (64, 2), (1, 64), (0, 64)]:
+    # 128 pages: ceil(128 / 66) = 2 a split at min_pps 1 (64 active), 8 at the default (16)
+    for min_pps, n_active in [(1, 64), (64, 2), (1, 64), (0, 128 // ATTN_MIN_PPS_DEFAULT)]:
         c.min_pps = min_pps
         ws = c.ws()
         c.fused(ws=ws)
@@ -349,8 +351,9 @@ def test_bad_arguments_raise_with_numbers():
                                                r"or 1 \(TMA"):
             call(kernel=bad)
     for bad in (-1, 8193, 2**31):
-        with pytest.raises(RuntimeError, match=rf"min_pps={bad} must be 0 \(the default, 2 KV "
-                                               r"pages per split\) or 1 to 8192"):
+        with pytest.raises(RuntimeError, match=rf"min_pps={bad} must be 0 \(the default, "
+                                               rf"{ATTN_MIN_PPS_DEFAULT} KV pages per split\) "
+                                               r"or 1 to 8192"):
             call(min_pps=bad)
     with pytest.raises(RuntimeError, match=r"qkv has 4607 elements, expected .* = 4608"):
         call(qkv=torch.zeros(4607, device="cuda").half())

@@ -171,7 +171,8 @@ def _run_attention_decode() -> int:
         f = torch.arange(pages * page, device="cuda").float()[:, None] * inv[None]
         cos, sin = f.cos().contiguous(), f.sin().contiguous()
         pos = torch.tensor([L - 1], dtype=torch.int32, device="cuda")
-        # min_pps 2 is the engine's default; 1 at 8 splits runs 8 one-page splits into the merge
+        # min_pps 2 (the engine's default until session 38); 1 at 8 splits runs 8 one-page splits
+        # into the merge
         for splits, min_pps in ((1, 2), (3, 2), (8, 2), (8, 1)):
             ws = torch.empty(nh, splits, d, device="cuda"), torch.empty(nh, splits, 2, device="cuda")
             k2, v2 = kc.clone(), vc.clone()
