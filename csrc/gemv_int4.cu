@@ -512,19 +512,30 @@ constexpr Int4Instance instance(int max_k, const char* use) {
 }
 
 // Chosen from GEMV_NOTES.md runs 7-8 (H200, graph of back-to-back PDL launches, 7B shapes): the
-// fastest tca shape per GEMV, each 23-30% faster than the v2/v3 kernels it replaced. The
-// residual op serves o_proj (k = q_size, <= 5120 in the family) and down_proj (k = the
-// intermediate size, >= 8960 from 1.5B up), which want different splits of K. The 0.5B's
-// down_proj (896 x 4864: 56 blocks) is the one down_proj with k < 5120: at 4 warps a warp
-// streams 5 ring stages, 2 of them after griddep_wait; at 8 warps all of its 2.4 are copied
-// before the wait (RESULTS.md, session 35). Its row sits between o_proj's, by k.
+// fastest tca shape per GEMV, each 23-30% faster than the v2/v3 kernels it replaced; the other
+// presets' rows from lab/gemv_int4_family.py (H100, each GEMV in the decode step's form, cold
+// weights; results/2026-12-07_s36c1_gemv_int4_family_887367d_h100.json), where an instance
+// beat the 7B's by 5% or more. Keyed by k alone: the family's k of each op are distinct but
+// for the 14B's and the 32B's o_proj (5120) and gate/up (5120), which want the same instance.
+// The residual op serves o_proj (k = q_size: 896 .. 5120) and down_proj (k = the
+// intermediate size: 4864 .. 27648); a k between two rows takes the next one up.
 constexpr Int4Instance kInt4Table[] = {
     instance<Tca<OP_STORE, 4, 4, 2>>(kAnyK, "qkv"),      // 4608x3584: 4.48 us (v3 6.33)
-    instance<Tca<OP_RESID, 4, 4, 2>>(4096, "o_proj"),    // 3584x3584: 3.99 us (v3 4.81)
-    instance<Tca<OP_RESID, 8, 4, 2>>(4864, "down_proj (k 4864, the 0.5B)"),
-    instance<Tca<OP_RESID, 4, 4, 2>>(8192, "o_proj (k 5120, the 14B and 32B)"),
-    instance<Tca<OP_RESID, 8, 4, 2>>(kAnyK, "down_proj"), // 3584x18944: 11.60 us (v3 16.59)
-    instance<Tca<OP_SILU, 2, 4, 2>>(kAnyK, "gate/up"),   // 2x18944x3584: 19.92 us (v2 25.74)
+    instance<Tca<OP_RESID, 4, 4, 2>>(896, "o_proj (the 0.5B)"),
+    instance<Tca<OP_RESID, 8, 6, 2>>(1536, "o_proj (the 1.5B)"),          // 2.19 us (2.46)
+    instance<Tca<OP_RESID, 8, 4, 2>>(2048, "o_proj (the 3B)"),            // 2.44 us (2.85)
+    instance<Tca<OP_RESID, 4, 4, 2>>(3584, "o_proj"),    // 3584x3584: 3.99 us (v3 4.81)
+    instance<Tca<OP_RESID, 16, 4, 1>>(4864, "down_proj (the 0.5B)"),      // 2.92 us (3.09)
+    instance<Tca<OP_RESID, 4, 4, 2>>(5120, "o_proj (the 14B and 32B)"),
+    instance<Tca<OP_RESID, 8, 4, 2>>(8960, "down_proj (the 1.5B)"),
+    instance<Tca<OP_RESID, 16, 2, 2>>(11008, "down_proj (the 3B)"),       // 6.00 us (6.61)
+    instance<Tca<OP_RESID, 4, 4, 2>>(13824, "down_proj (the 14B)"),       // 15.76 us (17.96)
+    instance<Tca<OP_RESID, 8, 4, 2>>(18944, "down_proj"), // 3584x18944: 11.60 us (v3 16.59)
+    instance<Tca<OP_RESID, 16, 4, 2>>(kAnyK, "down_proj (the 32B)"),      // 31.44 us (35.72)
+    instance<Tca<OP_SILU, 4, 4, 1>>(896, "gate/up (the 0.5B)"),           // 3.27 us (3.43)
+    instance<Tca<OP_SILU, 2, 4, 2>>(3584, "gate/up"),    // 2x18944x3584: 19.92 us (v2 25.74)
+    instance<Tca<OP_SILU, 8, 4, 1>>(5120, "gate/up (the 14B and 32B)"),   // 32B 52.05 (58.21)
+    instance<Tca<OP_SILU, 2, 4, 2>>(kAnyK, "gate/up"),
 };
 constexpr int kInt4Rows = sizeof(kInt4Table) / sizeof(kInt4Table[0]);
 
@@ -551,9 +562,10 @@ constexpr const Int4Instance& pick(int op, int k) {
   while (kInt4Table[i].op != op || k > kInt4Table[i].max_k) ++i;
   return kInt4Table[i];
 }
-static_assert(pick(OP_RESID, 3584).ks == 4 && pick(OP_RESID, 4864).ks == 8 &&
-                  pick(OP_RESID, 5120).ks == 4 && pick(OP_RESID, 18944).ks == 8,
-              "o / down split");
+static_assert(pick(OP_RESID, 3584).ks == 4 && pick(OP_RESID, 4864).ks == 16 &&
+                  pick(OP_RESID, 5120).ks == 4 && pick(OP_RESID, 18944).ks == 8 &&
+                  pick(OP_SILU, 3584).ks == 2,
+              "the 7B's rows are GEMV_NOTES.md's");
 
 cudaError_t check_int4(const char* fn, const void* out, const half* x, const uint32_t* qw,
                        const half* sc, int n, int k, int cols) {
