@@ -14,6 +14,8 @@ split-K buffer `red` and the epilogue's loop -- and checks:
     its block over exactly its own rows and columns, the warps' K ranges covering all groups;
   * the shared-memory regions (red, scales, ring) fit tca_smem_bytes and do not overlap.
 A planted error (the scale index without RT, or the second tile's rows offset by 8) must fail.
+check_fold does the same for attempts/verify-norm-fold.patch's indices: the residual's column
+parts (each (column, tile) once, from its own rows) and a consumer lane's hid / ln / x entries.
 
     python3 benchmarks/lab/gemv_rt_index_model.py
 """
@@ -176,6 +178,36 @@ def run(n, k, nm, ks, s_stages, gps, rt, nc, plant=None):
     assert set(emitted) == want, ("outputs", len(emitted), len(want))
 
 
+def check_fold(n, k, nc, ks, rt):
+    """attempts/verify-norm-fold.patch: the residual's column launch writes part (col, tile) of
+    every 16-row tile once, from that tile's rows; a consumer lane's hid, ln and x entries of a
+    group are the same k (x piece j = entries 8j .. 8j+7 of the lane's 32)."""
+    np_ = (n + 15) // 16
+    written = {}
+    for b in range((n + 16 * rt - 1) // (16 * rt)):
+        row0 = b * 16 * rt
+        for s in range(ks):
+            for p in range(s, nc * rt, ks):
+                col, t_ = p // rt, p % rt
+                if row0 + 16 * t_ >= n:
+                    continue
+                idx = col * np_ + (row0 >> 4) + t_
+                assert idx not in written, ("part twice", idx)
+                written[idx] = (col, [r for r in range(row0 + 16 * t_, row0 + 16 * t_ + 16) if r < n])
+    for col in range(nc):
+        for tile in range(np_):
+            assert written[col * np_ + tile] == (col, [r for r in range(16 * tile, 16 * tile + 16)
+                                                       if r < n])
+    for gi in range(k // 128):
+        for t in range(4):
+            x = [(gi * 16 + 4 * t + j) * 8 + q for j in range(4) for q in range(8)]
+            h = [(gi * 32 + 8 * t + qq) * 4 + e for qq in range(8) for e in range(4)]
+            w = [(gi * 16 + 4 * t + j) * 8 + q for j in range(4) for q in range(8)]
+            # fold_x: piece j takes h[2j], h[2j+1] (8 floats) and w piece j
+            hx = [h[8 * j + q] for j in range(4) for q in range(8)]
+            assert x == hx == w, (gi, t)
+
+
 CASES = [  # (n, k, nm, ks, s, gps, rt, nc): the patch's two instances and ragged shapes
     (53, 1024, 2, 2, 4, 2, 2, 8), (10, 1024, 2, 2, 4, 2, 2, 3), (64, 768, 2, 2, 4, 2, 2, 16),
     (40, 2560, 1, 8, 4, 2, 2, 9), (96, 2432, 1, 8, 4, 2, 2, 2), (33, 1024, 1, 4, 4, 2, 1, 8),
@@ -186,6 +218,9 @@ if __name__ == "__main__":
     for c in CASES:
         run(*c)
         print("ok", c)
+    for fc in ((53, 1024, 8, 2, 2), (40, 2432, 16, 8, 2), (3584, 896, 9, 4, 1), (10, 256, 2, 2, 2)):
+        check_fold(*fc)
+        print("ok fold", fc)
     for plant, case in (("scale_no_rt", CASES[0]), ("tile_offset_8", CASES[3])):
         try:
             run(*case, plant=plant)
