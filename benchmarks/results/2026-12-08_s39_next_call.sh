@@ -37,7 +37,9 @@ if [ $(left) -gt 70 ]; then  # the bound: A's verify step without its 56 rmsnorm
   t "A without the verify step's norms (lab-verify-no-norms.patch: the most folding them can gain)"
   cp /tmp/gemv_int4_A.cu csrc/gemv_int4.cu && patch -p1 -s < benchmarks/attempts/lab-verify-no-norms.patch && build
   vb A_nonorms; fi
-[ $(left) -gt 60 ] && { t "A again"; patch -R -p1 -s < benchmarks/attempts/lab-verify-no-norms.patch; build; vb A2; }
+[ $(left) -gt 60 ] && { t "A again"; patch -R -p1 -s < benchmarks/attempts/lab-verify-no-norms.patch; build; vb A_again; }
+t "the runs side by side"
+python3 benchmarks/verify_ab.py $(for l in A B B3 B2 A_nonorms A_again; do f="$R/bench_verify_7b_${l}_$C.json"; [ -f "$f" ] && echo "$l=$f"; done)
 t done
 } 2>&1 | tee "$OUT/s40c1_$C.log"
 tar -C "$R" -czf "$OUT/s40c1_$C.tgz" .

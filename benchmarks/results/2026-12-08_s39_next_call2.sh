@@ -21,7 +21,9 @@ timeout 300 python3 -m pytest tests/gpu/test_norm_fold.py tests/gpu/test_verify.
   -p no:cacheprovider -n 4 2>&1 | tail -4
 t "C: bench_verify 7b"; vb C
 [ $(left) -gt 40 ] && { t "C: 7b decode (the one-column path: unchanged)"; bj "decode_7b_C_$C" --synthetic 7b -p 512 -n 128 -r 5 --mode graph; }
-[ $(left) -gt 30 ] && { t "B again"; patch -R -p1 -s < benchmarks/attempts/verify-norm-fold.patch; build; vb B2; }
+[ $(left) -gt 30 ] && { t "B again"; patch -R -p1 -s < benchmarks/attempts/verify-norm-fold.patch; build; vb B_again; }
+t "the runs side by side"
+python3 benchmarks/verify_ab.py $(for l in B C B_again; do f="$R/bench_verify_7b_${l}_$C.json"; [ -f "$f" ] && echo "$l=$f"; done)
 t done
 } 2>&1 | tee "$OUT/s40c2_$C.log"
 tar -C "$R" -czf "$OUT/s40c2_$C.tgz" .
