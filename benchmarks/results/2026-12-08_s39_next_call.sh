@@ -12,10 +12,6 @@ source benchmarks/device_prelude.sh
 {
 source benchmarks/device_setup.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-vb() { timeout 120 python3 benchmarks/bench_verify.py --preset 7b --reps 10 --json "$R/bench_verify_7b_$1_$C.json" 2>&1 \
-  | grep -vE "^(qkv|o |gate|down|lm_head|op |GEMV)" | head -20
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1]))
-print(*[f\"{r['op']}@{r['cols']}: {r['us_graph']:.2f}\" for r in d['gemv_columns'] if r['op'] != 'lm_head'])" "$R/bench_verify_7b_$1_$C.json"; }
 cols() { timeout 200 python3 -m pytest tests/gpu/test_verify.py -q --tb=short -p no:cacheprovider -n 4 \
   -k "columns_are_one_column or verify_rows_are_decode_steps" 2>&1 | tail -3; }
 t "A: bench_verify 7b (the product)"; vb A
@@ -39,7 +35,7 @@ if [ $(left) -gt 70 ]; then  # the bound: A's verify step without its 56 rmsnorm
   vb A_nonorms; fi
 [ $(left) -gt 60 ] && { t "A again"; patch -R -p1 -s < benchmarks/attempts/lab-verify-no-norms.patch; build; vb A_again; }
 t "the runs side by side"
-python3 benchmarks/verify_ab.py $(for l in A B B3 B2 A_nonorms A_again; do f="$R/bench_verify_7b_${l}_$C.json"; [ -f "$f" ] && echo "$l=$f"; done)
+vb_table A B B3 B2 A_nonorms A_again
 t done
 } 2>&1 | tee "$OUT/s40c1_$C.log"
 tar -C "$R" -czf "$OUT/s40c1_$C.tgz" .

@@ -8,10 +8,6 @@ source benchmarks/device_prelude.sh
 {
 source benchmarks/device_setup.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-vb() { timeout 120 python3 benchmarks/bench_verify.py --preset 7b --reps 10 --json "$R/bench_verify_7b_$1_$C.json" 2>&1 \
-  | grep -vE "^(qkv|o |gate|down|lm_head|op |GEMV)" | head -20
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1]))
-print(*[f\"{r['op']}@{r['cols']}: {r['us_graph']:.2f}\" for r in d['gemv_columns'] if r['op'] != 'lm_head'])" "$R/bench_verify_7b_$1_$C.json"; }
 patch -p1 -s < benchmarks/attempts/verify-row-tiles.patch && t "B: build" && build
 t "B: bench_verify 7b"; vb B
 patch -p1 -s < benchmarks/attempts/verify-norm-fold.patch && t "C: build" && build
@@ -23,7 +19,7 @@ t "C: bench_verify 7b"; vb C
 [ $(left) -gt 40 ] && { t "C: 7b decode (the one-column path: unchanged)"; bj "decode_7b_C_$C" --synthetic 7b -p 512 -n 128 -r 5 --mode graph; }
 [ $(left) -gt 30 ] && { t "B again"; patch -R -p1 -s < benchmarks/attempts/verify-norm-fold.patch; build; vb B_again; }
 t "the runs side by side"
-python3 benchmarks/verify_ab.py $(for l in B C B_again; do f="$R/bench_verify_7b_${l}_$C.json"; [ -f "$f" ] && echo "$l=$f"; done)
+vb_table B C B_again
 t done
 } 2>&1 | tee "$OUT/s40c2_$C.log"
 tar -C "$R" -czf "$OUT/s40c2_$C.tgz" .
